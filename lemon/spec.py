@@ -1,0 +1,389 @@
+"""The orchestration specification: schema, parsing with named errors, DAG levels, canonical YAML and field spans.
+
+A spec is the YAML document the orchestrator writes (paper §3.1): a list of agents, each with an id, an inherited `base_role`,
+a customized `role` name and `duty`, a `capacity` level (which worker model runs it) and `depends_on` (ids of EARLIER agents),
+plus `final`, the agent whose output is the answer. Example:
+
+    agents:
+      - id: plan
+        base_role: planner
+        role: Step planner
+        duty: List the steps.
+        capacity: small
+        depends_on: []
+      - {id: solve, base_role: solver, role: Solver, duty: Follow the plan., capacity: large, depends_on: [plan]}
+    final: solve
+
+We build the Spec from PyYAML's *node* tree rather than `safe_load`, for three reasons: every node carries its character
+offsets (the counterfactual loss needs the span of each edited value in the text the model wrote), duplicate keys can be
+rejected (safe_load silently keeps the last), and no Python object is ever constructed from untrusted tags.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import yaml
+
+from .prompts import CAPACITIES, default_prompts
+
+Span = tuple[int, int]  # [start, end) character offsets into Spec.text
+
+MAX_AGENTS = 8
+MAX_TEXT_CHARS = 12_000
+MAX_LEN = {"id": 32, "base_role": 32, "role": 80, "duty": 500, "capacity": 16}
+AGENT_FIELDS = ("id", "base_role", "role", "duty", "capacity", "depends_on")
+REQUIRED_FIELDS = ("id", "base_role", "role", "duty", "capacity")  # depends_on defaults to []
+ID_RE = re.compile(r"[A-Za-z][A-Za-z0-9_\-]*\Z")
+_STR_TAG = "tag:yaml.org,2002:str"
+
+
+class SpecError(ValueError):
+    """Any invalid spec. `code` is stable and machine-readable; the message says what and where."""
+
+    code = "invalid"
+
+    def __init__(self, message: str, where: str = ""):
+        self.where = where
+        super().__init__(f"[{self.code}] {where + ': ' if where else ''}{message}")
+
+
+def _err(code_: str, doc: str) -> type[SpecError]:
+    return type(f"Spec{''.join(w.title() for w in code_.split('_'))}Error", (SpecError,), {"code": code_, "__doc__": doc})
+
+
+NoYamlError = _err("no_yaml", "The text holds no spec (no `agents:` block and no fenced YAML).")
+YamlSyntaxError = _err("yaml_syntax", "The YAML does not parse (or uses anchors/aliases or several documents).")
+NotMappingError = _err("not_mapping", "The document or an agent is not a mapping.")
+MissingFieldError = _err("missing_field", "A required field is absent.")
+UnknownFieldError = _err("unknown_field", "A field that the schema does not know, or a duplicated key.")
+WrongTypeError = _err("wrong_type", "A field has the wrong type (e.g. a number where a string is expected).")
+EmptyError = _err("empty", "No agents, or an empty string value.")
+TooManyAgentsError = _err("too_many_agents", "More agents than max_agents.")
+DuplicateIdError = _err("duplicate_id", "Two agents share an id.")
+BadIdError = _err("bad_id", "An id is not a short slug (letter, then letters, digits, _ or -).")
+UnknownDependencyError = _err("unknown_dependency", "depends_on names an agent that does not exist.")
+ForwardDependencyError = _err("forward_dependency", "depends_on names a later agent (this is what rules out cycles).")
+SelfDependencyError = _err("self_dependency", "An agent depends on itself.")
+DuplicateDependencyError = _err("duplicate_dependency", "depends_on lists the same agent twice.")
+UnknownCapacityError = _err("unknown_capacity", "capacity is not small / medium / large.")
+UnknownBaseRoleError = _err("unknown_base_role", "base_role is not in the base-role library.")
+BadFinalError = _err("bad_final", "final does not name an agent.")
+TooLongError = _err("too_long", "A field (or the whole text) is longer than allowed.")
+
+
+@dataclass(frozen=True)
+class Agent:
+    id: str
+    base_role: str
+    role: str
+    duty: str
+    capacity: str
+    depends_on: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AgentSpans:
+    """Character spans of one agent's values in Spec.text (quotes included for quoted scalars)."""
+
+    role: Span
+    duty: Span
+    capacity: Span
+    depends_on: Span | None  # the whole list; None when the field was omitted
+    deps: tuple[Span, ...] = ()  # one span per list item, aligned with Agent.depends_on
+
+
+@dataclass(frozen=True)
+class Spec:
+    agents: tuple[Agent, ...]
+    final: str
+    text: str | None = field(default=None, compare=False)  # the text as written (None for specs built in code)
+    spans: tuple[AgentSpans, ...] | None = field(default=None, compare=False)
+
+    # ---- graph -------------------------------------------------------------------------------------------------
+    def agent(self, agent_id: str) -> Agent:
+        for a in self.agents:
+            if a.id == agent_id:
+                return a
+        raise KeyError(agent_id)
+
+    def index(self, agent_id: str) -> int:
+        return [a.id for a in self.agents].index(agent_id)
+
+    def edges(self) -> list[tuple[str, str]]:
+        """(parent, child) pairs."""
+        return [(d, a.id) for a in self.agents for d in a.depends_on]
+
+    def levels(self) -> list[list[str]]:
+        """Topological levels: level(a) = 0 without dependencies, else 1 + max level of its parents. Agents of one level
+        depend only on earlier levels, so they may run concurrently."""
+        lvl: dict[str, int] = {}
+        for a in self.agents:  # dependencies point backwards, so one pass in order suffices
+            lvl[a.id] = 1 + max((lvl[d] for d in a.depends_on), default=-1)
+        out: list[list[str]] = [[] for _ in range(max(lvl.values()) + 1)]
+        for a in self.agents:
+            out[lvl[a.id]].append(a.id)
+        return out
+
+    def ancestors(self, agent_id: str) -> set[str]:
+        seen: set[str] = set()
+        stack = list(self.agent(agent_id).depends_on)
+        while stack:
+            d = stack.pop()
+            if d not in seen:
+                seen.add(d)
+                stack.extend(self.agent(d).depends_on)
+        return seen
+
+    def descendants(self, agent_id: str) -> set[str]:
+        return {a.id for a in self.agents if agent_id in self.ancestors(a.id)}
+
+    def unreachable(self) -> list[str]:
+        """Agents whose output can never reach `final` (wasted work; the graph cost counts them)."""
+        keep = self.ancestors(self.final) | {self.final}
+        return [a.id for a in self.agents if a.id not in keep]
+
+    # ---- serialisation -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"agents": [{f: (list(getattr(a, f)) if f == "depends_on" else getattr(a, f)) for f in AGENT_FIELDS}
+                           for a in self.agents], "final": self.final}
+
+    def to_yaml(self) -> str:
+        """Canonical, deterministic YAML: block agents, fixed field order, flow-style depends_on, JSON-quoted strings
+        wherever a plain scalar could be misread. parse_spec(spec.to_yaml()) == spec."""
+        lines = ["agents:"]
+        for a in self.agents:
+            lines.append(f"  - id: {_scalar(a.id)}")
+            for f in ("base_role", "role", "duty", "capacity"):
+                lines.append(f"    {f}: {_scalar(getattr(a, f))}")
+            lines.append(f"    depends_on: [{', '.join(_scalar(d) for d in a.depends_on)}]")
+        lines.append(f"final: {_scalar(self.final)}")
+        return "\n".join(lines) + "\n"
+
+
+_PLAIN_OK = re.compile(r"[A-Za-z][A-Za-z0-9 _\-.,;()'/?!+*=<>]*\Z")
+
+
+def _scalar(s: str) -> str:
+    """A plain scalar when it is unambiguous text, else a double-quoted (JSON) scalar, which YAML reads identically."""
+    if _PLAIN_OK.match(s) and not s.endswith((" ", ":")) and ": " not in s and " #" not in s \
+            and yaml.safe_load(s) == s:
+        return s
+    return json.dumps(s, ensure_ascii=False)
+
+
+# ---- extraction of the YAML from a model completion ---------------------------------------------------------------
+_FENCE = re.compile(r"```[ \t]*(?:ya?ml|YAML)?[ \t]*\n")
+_TOP = re.compile(r"^(agents|final)[ \t]*:", re.M)
+
+
+def extract_yaml(text: str) -> tuple[str, int]:
+    """Return (yaml_text, offset of yaml_text in text). Accepts a bare spec, a ```yaml fenced block (closing fence optional:
+    a truncated completion still parses or fails on its own), or a spec with lines of prose before / after it."""
+    m = _FENCE.search(text)
+    if m:
+        start = m.end()
+        end = text.find("```", start)
+        return text[start:end if end >= 0 else len(text)], start
+    brace = re.search(r"^[ \t]*\{", text, re.M)
+    top = _TOP.search(text)
+    if brace and (top is None or brace.start() < top.start()):  # a JSON/flow document (e.g. schema-constrained decoding)
+        start = brace.end() - 1
+        end = text.rfind("}") + 1
+        return text[start:end if end > start else len(text)], start
+    lines = text.splitlines(keepends=True)
+    pos, start, end = 0, None, None
+    for line in lines:
+        if start is None:
+            if _TOP.match(line):
+                start = pos
+        elif line.strip() and not (line[0] in " \t-#" or _TOP.match(line)):
+            end = pos  # first column-0 line that cannot continue the spec: trailing prose
+            break
+        pos += len(line)
+    if start is None:
+        raise NoYamlError("no line starting with `agents:` and no ```yaml fence", "text")
+    return text[start:end if end is not None else len(text)], start
+
+
+# ---- parsing -------------------------------------------------------------------------------------------------------
+def parse_spec(text: str, *, base_roles: Iterable[str] | None = None, max_agents: int = MAX_AGENTS) -> Spec:
+    """Parse and validate a spec (or an orchestrator completion that wraps one). Raises a SpecError subclass on any
+    invalid input; nothing else escapes. `base_roles` defaults to every role in the packaged prompts file."""
+    if not isinstance(text, str):
+        raise WrongTypeError(f"spec text must be str, got {type(text).__name__}", "text")
+    if len(text) > MAX_TEXT_CHARS:
+        raise TooLongError(f"{len(text)} characters > {MAX_TEXT_CHARS}", "text")
+    roles = set(base_roles) if base_roles is not None else set(default_prompts().roles_for(None))
+    body, off = extract_yaml(text)
+    try:
+        nodes = list(yaml.compose_all(body, Loader=yaml.SafeLoader))
+    except yaml.YAMLError as e:
+        raise YamlSyntaxError(str(e).replace("\n", " "), "yaml") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # pathological nesting
+        raise YamlSyntaxError(f"{type(e).__name__}: {e}", "yaml") from None
+    nodes = [n for n in nodes if n is not None]
+    if len(nodes) != 1:
+        raise YamlSyntaxError(f"expected one YAML document, found {len(nodes)}", "yaml")
+    return _build(nodes[0], text, off, roles, max_agents)
+
+
+def _span(node, off: int) -> Span:
+    # A block collection's end mark sits at the start of the next token: trim the trailing whitespace/newlines so the span
+    # covers the value's own characters only (the CF loss must not touch the next key's tokens).
+    buf = node.end_mark.buffer or ""
+    end = node.end_mark.index
+    if buf:
+        while end > node.start_mark.index and buf[end - 1] in " \t\r\n":
+            end -= 1
+    return (off + node.start_mark.index, off + end)
+
+
+def _mapping(node, where: str, seen: set[int]) -> dict[str, tuple]:
+    """A mapping node -> {key: (key_node, value_node)}, rejecting aliases, non-string keys and duplicate keys."""
+    if not isinstance(node, yaml.MappingNode):
+        raise NotMappingError(f"expected a mapping, got {_kind(node)}", where)
+    if node.tag != "tag:yaml.org,2002:map":
+        raise WrongTypeError(f"explicit tag {node.tag!r} is not allowed on a mapping", where)
+    _no_alias(node, where, seen)
+    out: dict[str, tuple] = {}
+    for k, v in node.value:
+        _no_alias(v, where, seen)
+        if not isinstance(k, yaml.ScalarNode) or k.tag != _STR_TAG:
+            raise WrongTypeError(f"keys must be strings, got {_kind(k)}", where)
+        if k.value in out:
+            raise UnknownFieldError(f"key {k.value!r} appears twice", where)
+        out[k.value] = (k, v)
+    return out
+
+
+def _no_alias(node, where: str, seen: set[int]) -> None:
+    # compose() returns the *same* node object for an alias; the spans of a shared node would be ambiguous.
+    if id(node) in seen:
+        raise YamlSyntaxError("anchors/aliases are not allowed in a spec", where)
+    seen.add(id(node))
+
+
+def _kind(node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return f"a scalar {node.tag.rsplit(':', 1)[-1]} {node.value[:30]!r}"
+
+
+def _string(node, where: str, name: str) -> str:
+    if not isinstance(node, yaml.ScalarNode) or node.tag != _STR_TAG:
+        raise WrongTypeError(f"{name} must be a string, got {_kind(node)}", where)
+    s = node.value.strip()
+    if not s:
+        raise EmptyError(f"{name} is empty", where)
+    if len(s) > MAX_LEN[name]:
+        raise TooLongError(f"{name} has {len(s)} characters > {MAX_LEN[name]}", where)
+    return s
+
+
+def _build(root, text: str, off: int, roles: set[str], max_agents: int) -> Spec:
+    seen: set[int] = set()
+    top = _mapping(root, "spec", seen)
+    for k in top:
+        if k not in ("agents", "final"):
+            raise UnknownFieldError(f"unknown top-level field {k!r} (allowed: agents, final)", "spec")
+    if "agents" not in top:
+        raise MissingFieldError("no `agents` list", "spec")
+    anode = top["agents"][1]
+    if not isinstance(anode, yaml.SequenceNode):
+        raise WrongTypeError(f"agents must be a list, got {_kind(anode)}", "agents")
+    if not anode.value:
+        raise EmptyError("agents is an empty list", "agents")
+    if len(anode.value) > max_agents:
+        raise TooManyAgentsError(f"{len(anode.value)} agents > max_agents={max_agents}", "agents")
+    # every id written anywhere, so a reference to a later agent is told apart from a typo
+    all_ids = {v.value for n in anode.value if isinstance(n, yaml.MappingNode)
+               for k, v in n.value if isinstance(k, yaml.ScalarNode) and k.value == "id" and isinstance(v, yaml.ScalarNode)}
+    agents: list[Agent] = []
+    spans: list[AgentSpans] = []
+    ids: list[str] = []
+    for i, node in enumerate(anode.value):
+        where = f"agents[{i}]"
+        m = _mapping(node, where, seen)
+        for k in m:
+            if k not in AGENT_FIELDS:
+                raise UnknownFieldError(f"unknown field {k!r} (allowed: {', '.join(AGENT_FIELDS)})", where)
+        for k in REQUIRED_FIELDS:
+            if k not in m:
+                raise MissingFieldError(f"missing field {k!r}", where)
+        vals = {k: _string(m[k][1], where, k) for k in REQUIRED_FIELDS}
+        aid = vals["id"]
+        where = f"agents[{i}] (id {aid!r})"
+        if not ID_RE.match(aid):
+            raise BadIdError(f"id {aid!r} is not a slug (letter, then letters/digits/_/-)", where)
+        if aid in ids:
+            raise DuplicateIdError(f"id {aid!r} is already used by agents[{ids.index(aid)}]", where)
+        if vals["capacity"] not in CAPACITIES:
+            raise UnknownCapacityError(f"capacity {vals['capacity']!r}; valid: {', '.join(CAPACITIES)}", where)
+        if vals["base_role"] not in roles:
+            raise UnknownBaseRoleError(f"base_role {vals['base_role']!r}; valid: {', '.join(sorted(roles))}", where)
+        deps, dep_spans, dep_span = _deps(m.get("depends_on"), ids, all_ids, aid, where, off)
+        agents.append(Agent(aid, vals["base_role"], vals["role"], vals["duty"], vals["capacity"], deps))
+        spans.append(AgentSpans(_span(m["role"][1], off), _span(m["duty"][1], off), _span(m["capacity"][1], off),
+                                dep_span, dep_spans))
+        ids.append(aid)
+    final = ids[-1]
+    if "final" in top:
+        fnode = top["final"][1]
+        if not isinstance(fnode, yaml.ScalarNode) or fnode.tag != _STR_TAG:
+            raise WrongTypeError(f"final must be an agent id string, got {_kind(fnode)}", "final")
+        final = fnode.value.strip()
+        if final not in ids:
+            raise BadFinalError(f"final {final!r} is not an agent id ({', '.join(ids)})", "final")
+    return Spec(tuple(agents), final, text, tuple(spans))
+
+
+def _deps(entry, earlier: list[str], all_ids: set[str], aid: str, where: str, off: int):
+    if entry is None:
+        return (), (), None
+    node = entry[1]
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+        return (), (), _span(node, off)  # `depends_on:` with no value reads as "none"
+    if not isinstance(node, yaml.SequenceNode):
+        raise WrongTypeError(f"depends_on must be a list of ids, got {_kind(node)}", where)
+    deps: list[str] = []
+    for item in node.value:
+        if not isinstance(item, yaml.ScalarNode) or item.tag != _STR_TAG:
+            raise WrongTypeError(f"depends_on items must be agent ids, got {_kind(item)}", where)
+        d = item.value.strip()
+        if d == aid:
+            raise SelfDependencyError(f"{aid!r} depends on itself", where)
+        if d in deps:
+            raise DuplicateDependencyError(f"{d!r} listed twice in depends_on", where)
+        if d not in earlier:
+            if d in all_ids:
+                raise ForwardDependencyError(f"{d!r} is defined later; depend only on earlier agents", where)
+            raise UnknownDependencyError(f"{d!r} is not an agent id (earlier ids: {earlier or 'none'})", where)
+        deps.append(d)
+    return tuple(deps), tuple(_span(i, off) for i in node.value), _span(node, off)
+
+
+def json_schema(base_roles: Iterable[str] | None = None, max_agents: int = MAX_AGENTS) -> dict:
+    """JSON Schema of a spec, for constrained decoding (JSON is YAML, so a constrained JSON answer goes through parse_spec).
+    It cannot express 'depends_on names earlier ids'; parse_spec still checks that."""
+    roles = sorted(base_roles) if base_roles is not None else sorted(default_prompts().roles_for(None))
+    s = lambda n: {"type": "string", "minLength": 1, "maxLength": n}  # noqa: E731
+    agent = {"type": "object", "additionalProperties": False, "required": list(AGENT_FIELDS),
+             "properties": {"id": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_-]{0,31}$"},
+                            "base_role": {"enum": roles}, "role": s(MAX_LEN["role"]), "duty": s(MAX_LEN["duty"]),
+                            "capacity": {"enum": list(CAPACITIES)},
+                            "depends_on": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    return {"type": "object", "additionalProperties": False, "required": ["agents", "final"],
+            "properties": {"agents": {"type": "array", "minItems": 1, "maxItems": max_agents, "items": agent},
+                           "final": {"type": "string"}}}
+
+
+def spec_from_dict(d: Mapping, **kw) -> Spec:
+    """Build (and validate) a spec from plain data, via its canonical YAML so that text and spans are always present."""
+    agents = [Agent(a["id"], a["base_role"], a["role"], a["duty"], a["capacity"], tuple(a.get("depends_on", ())))
+              for a in d["agents"]]
+    return parse_spec(Spec(tuple(agents), d.get("final") or agents[-1].id).to_yaml(), **kw)
