@@ -28,6 +28,7 @@ class Prompts:
     worker: Mapping[str, str]
     sha256: str
     path: str = field(default="")
+    duty_variants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def roles_for(self, domain: str | None = None) -> dict[str, str]:
         """name -> default duty of the base roles usable in `domain` (all roles when domain is None)."""
@@ -72,6 +73,7 @@ def load_prompts(path: str | Path | None = None) -> Prompts:
         worker=_freeze(data["worker"]),
         sha256=hashlib.sha256(raw).hexdigest(),
         path=str(p),
+        duty_variants=MappingProxyType({k: tuple(v) for k, v in (data.get("duty_variants") or {}).items()}),
     )
 
 

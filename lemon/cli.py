@@ -1,0 +1,124 @@
+"""Command line: `python -m lemon {eval,run,data}`. Errors from bad input are printed as one clear line (exit 2)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .prompts import CAPACITIES, load_prompts
+
+
+def _pool(args):
+    from .workers import WorkerPool
+    if args.workers:
+        text = Path(args.workers).read_text()
+        import yaml
+        return WorkerPool.from_config(yaml.safe_load(text))
+    return WorkerPool.embedded_default()
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import EvalConfig, run_eval
+    cfg = EvalConfig(method=args.method, benchmark=args.benchmark, split=args.split, limit=args.limit, seed=args.seed,
+                     capacity=args.capacity, n_agents=args.n_agents, k=args.k)
+    prompts = load_prompts(args.prompts)
+    pool = _pool(args)
+    try:
+        s = run_eval(cfg, pool, prompts, Path(args.out), progress=not args.quiet)
+    finally:
+        pool.close()
+    lo, hi = s["ci95"]
+    print(f"{cfg.method} on {cfg.benchmark}/{cfg.split} (n={s['n']}, seed={cfg.seed}): accuracy {s['accuracy']:.3f} "
+          f"[95% CI {lo:.3f}-{hi:.3f}], mean worker tokens {s['mean_worker_tokens']:.0f}, errors {s['errors']}; "
+          f"rows in {Path(args.out) / 'results.jsonl'}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from . import benchmarks as B
+    from .baselines import baseline_spec
+    from .benchmarks import Example
+    from .executor import execute
+    from .orchestrator import propose_spec
+    from .spec import parse_spec
+    bench = B.get_benchmark(args.benchmark)
+    prompts = load_prompts(args.prompts)
+    ex = Example(id="cli/0", benchmark=args.benchmark, split="cli", question=args.question, gold=args.gold or "", meta={})
+    pool = _pool(args)
+    try:
+        if args.spec:
+            spec = parse_spec(Path(args.spec).read_text(), base_roles=prompts.roles_for(bench.domain))
+        elif args.orchestrator:
+            prop = propose_spec(pool, args.question, bench.domain, prompts, seed=args.seed)
+            print("--- orchestrator wrote:\n" + prop.text)
+            if prop.spec is None:
+                print(f"invalid spec: {prop.error}", file=sys.stderr)
+                return 1
+            spec = prop.spec
+        else:
+            spec = baseline_spec("chain", bench.domain, capacity=args.capacity, n_agents=3, seed=args.seed)
+        print("--- spec:\n" + spec.to_yaml())
+        tr = execute(spec, ex, bench, pool, prompts=prompts, seed=args.seed)
+    finally:
+        pool.close()
+    for a in tr.agents:
+        print(f"--- {a.id} [{a.capacity} = {a.model}] {a.prompt_tokens}+{a.completion_tokens} tokens, {a.latency_s:.1f}s"
+              f"{' (cache)' if a.cache_hit else ''}{' (skipped)' if a.skipped else ''}\n{a.output}")
+    print(f"=== answer: {tr.answer!r}  tokens: {tr.tokens}" + (f"  score vs --gold: {tr.score}" if args.gold else "")
+          + (f"  error: {tr.error}" if tr.error else ""))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from . import benchmarks as B
+    for name in B.BENCHMARKS:
+        for split in B.available_splits(name):
+            n = len(B.load(name, split))
+            print(f"{name:11s} {split:11s} {n:6d}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lemon", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--workers", help="YAML/JSON worker-pool config (default: the embedded llama.cpp ladder)")
+        sp.add_argument("--prompts", help="prompts file (default: lemon/prompts.yaml)")
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--capacity", default="medium", help=f"baseline agents' capacity: {', '.join(CAPACITIES)}")
+
+    e = sub.add_parser("eval", help="evaluate a method on a benchmark split (resumable)")
+    e.add_argument("--method", required=True, help="a baseline, 'orchestrator', or a spec .yaml file")
+    e.add_argument("--benchmark", required=True)
+    e.add_argument("--split", default="test")
+    e.add_argument("--limit", type=int)
+    e.add_argument("--n-agents", type=int, default=4)
+    e.add_argument("--k", type=int, default=5, help="SC-CoT samples")
+    e.add_argument("--out", required=True)
+    e.add_argument("--quiet", action="store_true")
+    common(e)
+    e.set_defaults(fn=cmd_eval)
+
+    r = sub.add_parser("run", help="run one question and print every agent's output")
+    r.add_argument("--benchmark", required=True)
+    r.add_argument("--question", required=True)
+    r.add_argument("--gold", help="optional gold answer to score against")
+    r.add_argument("--spec", help="spec YAML file (default: a 3-agent chain baseline)")
+    r.add_argument("--orchestrator", action="store_true", help="let the prompted orchestrator write the spec")
+    common(r)
+    r.set_defaults(fn=cmd_run)
+
+    d = sub.add_parser("data", help="row counts of every benchmark split found")
+    d.set_defaults(fn=cmd_data)
+
+    args = p.parse_args(argv)
+    if getattr(args, "capacity", "medium") not in CAPACITIES:
+        p.error(f"unknown capacity {args.capacity!r}; valid: {', '.join(CAPACITIES)}")
+    try:
+        return args.fn(args)
+    except (ValueError, KeyError, FileNotFoundError) as e:  # bad input: one clear line, nothing half-written
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 2

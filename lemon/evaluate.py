@@ -1,0 +1,171 @@
+"""The eval runner: one method (a baseline, a spec file, or the orchestrator) on one benchmark split, resumable.
+
+Rows are appended to `results.jsonl` and fsync'ed one by one, so a run killed at any moment (kill -9 included) loses at most
+the example in flight; the same command resumes, skipping finished ids and repairing a torn last line. A run folder belongs to
+one config: resuming with a different config is refused rather than mixing two experiments in one file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import benchmarks as B
+from .baselines import BASELINES, UnknownMethodError, run_baseline
+from .executor import ExecutorCaps, NodeCache, Trace, execute
+from .manifest import build_manifest, write_json
+from .orchestrator import OrchestratorConfig, propose_spec
+from .prompts import Prompts
+from .spec import parse_spec
+
+METHODS_HELP = f"one of {', '.join(BASELINES)}, 'orchestrator', or a path to a spec .yaml file"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One evaluation run (`python -m lemon eval`)."""
+
+    method: str
+    """A baseline name, 'orchestrator' (prompted, untrained) or a path to a spec YAML file."""
+    benchmark: str
+    """One of the six benchmark names."""
+    split: str = "test"
+    """Data split (see lemon.benchmarks.SPLITS)."""
+    limit: int | None = None
+    """Evaluate a seeded subsample of this many examples (None = the whole split)."""
+    seed: int = 0
+    """Seeds the subsample and every worker call."""
+    capacity: str = "medium"
+    """Capacity of the baseline agents."""
+    n_agents: int = 4
+    """Agents in the multi-agent baselines (chain / tree / complete / random)."""
+    k: int = 5
+    """Samples for SC-CoT."""
+
+    def __post_init__(self):
+        if self.method not in BASELINES and self.method != "orchestrator" and not self.method.endswith((".yaml", ".yml")):
+            raise UnknownMethodError(f"unknown method {self.method!r}; use {METHODS_HELP}")
+        B.get_benchmark(self.benchmark)  # raises UnknownBenchmarkError listing the valid names
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit={self.limit} must be >= 1 (or None for the whole split)")
+        if self.k < 1 or self.n_agents < 1:
+            raise ValueError("k and n_agents must be >= 1")
+
+
+def wilson_ci(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion (better than the normal interval at small n or p near 0/1)."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a results.jsonl; a torn last line (the process was killed mid-write) is cut off the file."""
+    if not path.exists():
+        return []
+    rows, good = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            good += len(line)
+    if good != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return rows
+
+
+def _append(path: Path, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def summarize(rows: list[dict]) -> dict:
+    n = len(rows)
+    k = sum(1 for r in rows if r["correct"])
+    lo, hi = wilson_ci(k, n)
+    mean = lambda key: (sum(r[key] for r in rows) / n) if n else 0.0  # noqa: E731
+    return {"n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": [lo, hi],
+            "mean_worker_tokens": mean("tokens"), "mean_nominal_tokens": mean("nominal_tokens"),
+            "mean_latency_s": mean("latency_s"), "errors": sum(1 for r in rows if r.get("error")),
+            "invalid_specs": sum(1 for r in rows if r.get("spec_error"))}
+
+
+def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: ExecutorCaps | None = None,
+             orch: OrchestratorConfig | None = None, progress: bool = True) -> dict:
+    """Evaluate, appending to out/results.jsonl; returns the summary (also written to out/summary.json)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    caps = caps or ExecutorCaps()
+    bench = B.get_benchmark(cfg.benchmark)
+    examples = B.load(cfg.benchmark, cfg.split, limit=cfg.limit, seed=cfg.seed)
+    fixed_spec = None
+    if cfg.method.endswith((".yaml", ".yml")):
+        fixed_spec = parse_spec(Path(cfg.method).read_text(), base_roles=prompts.roles_for(bench.domain))
+    config = {"eval": asdict(cfg), "caps": asdict(caps), "orchestrator": asdict(orch or OrchestratorConfig())}
+    mpath = out / "manifest.json"
+    if mpath.exists():
+        old = json.loads(mpath.read_text())
+        if json.loads(json.dumps(old.get("config"), default=str)) != json.loads(json.dumps(config, default=str)):
+            raise ValueError(f"{out} holds a run with a different config; resume only with the same one or pick another --out\n"
+                             f"  old: {old.get('config')}\n  new: {config}")
+    else:
+        data_dir = B.resolve_data_dir()
+        write_json(mpath, build_manifest(config, prompts_sha256=prompts.sha256, workers=pool.describe(),
+                                         data_files=[Path(data_dir) / cfg.benchmark / f"{cfg.split}.jsonl"] if data_dir else [],
+                                         seeds={"eval": cfg.seed}))
+    rpath = out / "results.jsonl"
+    rows = read_rows(rpath)
+    done = {r["id"] for r in rows}
+    cache = NodeCache(path=out / "node_cache.jsonl")
+    todo = [e for e in examples if e.id not in done]
+    t0 = time.perf_counter()
+    bar = tqdm(todo, desc=f"{cfg.method} {cfg.benchmark}/{cfg.split}", disable=not progress, initial=len(done),
+               total=len(examples))
+    for ex in bar:
+        row = _evaluate_one(cfg, ex, bench, pool, prompts, caps, orch or OrchestratorConfig(), cache, fixed_spec)
+        _append(rpath, row)
+        rows.append(row)
+        s = summarize(rows)
+        bar.set_postfix(acc=f"{s['accuracy']:.3f}", tok=f"{s['mean_worker_tokens']:.0f}")
+    summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split, "seed": cfg.seed,
+               "wall_s_this_call": time.perf_counter() - t0, "workers": pool.describe(), "prompts_sha256": prompts.sha256}
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def _evaluate_one(cfg, ex, bench, pool, prompts, caps, orch, cache, fixed_spec) -> dict:
+    t0 = time.perf_counter()
+    spec_text, spec_error, orch_tokens = None, None, 0
+    if cfg.method in BASELINES:
+        trace = run_baseline(cfg.method, ex, bench, pool, prompts=prompts, capacity=cfg.capacity, n_agents=cfg.n_agents,
+                             k=cfg.k, seed=cfg.seed, cache=cache, caps=caps)
+    else:
+        spec = fixed_spec
+        if spec is None:  # the prompted orchestrator writes one spec per task
+            prop = propose_spec(pool, ex.question, bench.domain, prompts, orch, seed=cfg.seed)
+            spec_text, spec, spec_error = prop.text, prop.spec, prop.error
+            orch_tokens = prop.prompt_tokens + prop.completion_tokens
+        trace = execute(spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed) if spec else None
+        spec_text = spec_text or (spec.to_yaml() if spec else None)
+    if trace is None:
+        trace = Trace.empty(error=f"invalid spec: {spec_error}")
+    return {"id": ex.id, "method": cfg.method, "benchmark": ex.benchmark, "split": ex.split, "spec": spec_text,
+            "spec_error": spec_error, "answer": trace.answer, "gold": ex.gold if ex.benchmark != "humaneval" else None,
+            "correct": bool(trace.score >= 1.0), "score": trace.score, "tokens": trace.tokens,
+            "nominal_tokens": trace.nominal_tokens, "orchestrator_tokens": orch_tokens,
+            "cache_hits": sum(1 for a in trace.agents if a.cache_hit), "agents": len(trace.agents),
+            "latency_s": time.perf_counter() - t0, "error": trace.error, "output": trace.output}

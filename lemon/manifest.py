@@ -1,0 +1,74 @@
+"""Run manifests: everything needed to say what produced a number (git sha, config, data and model digests, prompts hash,
+seeds, package versions). Written as `manifest.json` next to every results file."""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from .models import SHIPPED
+
+PACKAGES = ("torch", "transformers", "trl", "peft", "llama_cpp_python", "openai", "PyYAML")
+
+
+def git_sha(repo: Path | None = None) -> str:
+    """HEAD's sha, with '+dirty' when the work tree has uncommitted changes to tracked files; 'unknown' outside git."""
+    cwd = repo or Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha or "unknown") + ("+dirty" if dirty else "")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
+def build_manifest(config: dict, *, prompts_sha256: str, workers: dict, data_files: list[Path] = (), seeds: dict | None = None,
+                   extra: dict | None = None) -> dict:
+    """A JSON-able record of one run. Shipped models are named with the sha256 recorded in lemon.models."""
+    models = {}
+    for cap, w in workers.items():
+        name = w.get("model", "")
+        models[cap] = {**w, **({"sha256": SHIPPED[name].sha256, "hf_id": SHIPPED[name].hf_id} if name in SHIPPED else {})}
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_sha(),
+        "argv": sys.argv,
+        "config": config,
+        "prompts_sha256": prompts_sha256,
+        "workers": models,
+        "data": {str(p): file_sha256(Path(p)) for p in data_files if Path(p).is_file()},
+        "seeds": seeds or {},
+        "versions": versions(),
+        **(extra or {}),
+    }
+
+
+def write_json(path: Path, obj) -> None:
+    """Write atomically (temp + rename) so a kill never leaves half a manifest."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,105 @@
+"""The orchestrator policy model: transformers + peft LoRA on CPU (from the shipped GGUF), Unsloth on CUDA.
+
+transformers reads the shipped GGUF files (qwen2 / llama) and dequantizes them, but that takes tens of seconds and the result
+refuses `save_pretrained` while its GGUF quantizer is attached. So the first load converts once to a plain fp32 transformers
+folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s). fp32 on CPU: bf16
+on this CPU was unusably slow (a LoRA step did not finish in 600 s, DESIGN.md).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .models import SHIPPED, cache_dir, get_model
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which model the orchestrator policy is and how LoRA is attached."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    """A shipped model name (lemon.models.SHIPPED) or a HF hub id / local folder (paper profile: Qwen/Qwen2.5-7B-Instruct)."""
+    backend: str = "auto"
+    """'auto' (Unsloth when CUDA and unsloth are available, else transformers), 'transformers' or 'unsloth'."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator."""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps GRPO's old/new log-probs consistent)."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Projection layers that get adapters."""
+    load_in_4bit: bool = False
+    """Unsloth only: 4-bit base weights."""
+    max_seq_length: int = 2048
+    """Unsloth only: maximum sequence length."""
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "transformers", "unsloth"):
+            raise ValueError(f"backend={self.backend!r}; valid: auto, transformers, unsloth")
+        if self.lora_r < 1 or self.lora_alpha < 1:
+            raise ValueError("lora_r and lora_alpha must be >= 1")
+        if self.load_in_4bit and self.backend == "transformers":
+            raise ValueError("load_in_4bit needs the unsloth backend (bitsandbytes on CUDA)")
+
+
+def resolve_backend(cfg: PolicyConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    try:
+        import torch
+        if torch.cuda.is_available():
+            import unsloth  # noqa: F401
+            return "unsloth"
+    except ImportError:
+        pass
+    return "transformers"
+
+
+def converted_dir(name: str) -> Path:
+    """fp32 transformers folder for a shipped GGUF model, converted on first use."""
+    m = SHIPPED[name]
+    out = cache_dir().parent / "hf" / f"{name}-{m.sha256[:12]}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = get_model(name)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the GGUF quantizer blocks save_pretrained; the weights are already dequantized
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)  # atomic: a half-written folder is never mistaken for a converted model
+    return out
+
+
+def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | None = None):
+    """(model, tokenizer). With lora=True the model is a peft model with fresh adapters (or `adapter` loaded, trainable)."""
+    backend = resolve_backend(cfg)
+    path = str(converted_dir(cfg.model)) if cfg.model in SHIPPED else cfg.model
+    if backend == "unsloth":
+        from unsloth import FastLanguageModel
+        model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit)
+        if lora:
+            model = FastLanguageModel.get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                     lora_dropout=cfg.lora_dropout, target_modules=list(cfg.target_modules))
+        return model, tok
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if not lora:
+        return model, tok
+    from peft import LoraConfig, PeftModel, get_peft_model
+    if adapter is not None:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True), tok
+    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg), tok
