@@ -70,6 +70,31 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .config import sft_preset, train_preset
+    from .train import train, warm_start
+    over = {"cf_lambda": args.cf_lambda} if args.cf_lambda is not None else {}
+    if args.max_steps:
+        over["max_steps"] = args.max_steps
+    cfg = train_preset(args.profile, seed=args.seed, **over)
+    prompts = load_prompts(args.prompts)
+    out = Path(args.out)
+    print(f"training config: {cfg}")
+    init = None
+    if not args.no_sft:
+        rec = warm_start(cfg, sft_preset(args.profile), out / "sft", prompts)
+        print(f"SFT warm start: {rec['rows']} corpus rows, valid rate {rec['valid_before']['rate']:.2f} -> "
+              f"{rec['valid_after']['rate']:.2f} on {rec['valid_after']['n']} train questions")
+        init = rec["adapter"]
+    res = train(cfg, out / "grpo_run", prompts, init_adapter=init)
+    logs = [h for h in res["history"] if "reward" in h]
+    for h in logs:
+        print(f"step {h['step']}: reward {h['reward']:.3f}  valid {h.get('spec/valid_rate', 0):.2f}  "
+              f"cf edits {h.get('cf/edits', 0):.0f}  worker tokens {h.get('tokens/worker_spent', 0):.0f}")
+    print(f"adapter: {res['adapter']}")
+    return 0
+
+
 def cmd_data(args) -> int:
     from . import benchmarks as B
     for name in B.BENCHMARKS:
@@ -109,6 +134,16 @@ def main(argv=None) -> int:
     r.add_argument("--orchestrator", action="store_true", help="let the prompted orchestrator write the spec")
     common(r)
     r.set_defaults(fn=cmd_run)
+
+    t = sub.add_parser("train", help="SFT warm start + CF-GRPO for a profile (resumable)")
+    t.add_argument("--profile", default="smoke", help="smoke | cpu | paper")
+    t.add_argument("--out", required=True)
+    t.add_argument("--cf-lambda", type=float, help="override the CF weight (0 = plain GRPO)")
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--no-sft", action="store_true", help="skip the SFT warm start")
+    t.add_argument("--prompts")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=cmd_train)
 
     d = sub.add_parser("data", help="row counts of every benchmark split found")
     d.set_defaults(fn=cmd_data)

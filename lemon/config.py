@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .policy import PolicyConfig
 from .rewards import RewardConfig
+from .sft import SFTConfig
 
 PROFILES = ("smoke", "cpu", "paper")
 
@@ -98,6 +99,23 @@ def train_preset(profile: str, **overrides) -> TrainConfig:
                           benchmarks=("gsm8k", "multiarith", "svamp", "aqua", "mmlu", "humaneval"), train_questions=6000,
                           num_generations=4, batch_size=16, max_steps=1500, max_agents=8,
                           worker_max_tokens={"small": 1024, "medium": 1024, "large": 1024}, save_steps=50)
+    else:
+        raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    return replace(cfg, **overrides)
+
+
+def sft_preset(profile: str, **overrides) -> SFTConfig:
+    """Warm-start preset. smoke: format only (no execution filter) so the 135M policy learns to write parseable specs in a
+    couple of minutes; cpu / paper: rejection sampling (executed, solving specs only)."""
+    if profile == "smoke":
+        cfg = SFTConfig(questions=8, candidates_per_question=2, keep_per_question=2, filter_by_execution=False, max_agents=3, epochs=3.0, probe_questions=2,
+                        learning_rate=5e-4, batch_size=2)
+    elif profile == "cpu":
+        cfg = SFTConfig(questions=24, candidates_per_question=2, use_orchestrator=True, filter_by_execution=True,
+                        keep_per_question=1, max_agents=4, epochs=3.0, learning_rate=2e-4)
+    elif profile == "paper":
+        cfg = SFTConfig(questions=2000, candidates_per_question=4, use_orchestrator=True, filter_by_execution=True,
+                        keep_per_question=2, max_agents=8, epochs=2.0, learning_rate=1e-4, batch_size=8, max_length=4096)
     else:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
     return replace(cfg, **overrides)

@@ -6,6 +6,7 @@ one config: resuming with a different config is refused rather than mixing two e
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from . import benchmarks as B
 from .baselines import BASELINES, UnknownMethodError, run_baseline
 from .executor import ExecutorCaps, NodeCache, Trace, execute
 from .manifest import build_manifest, write_json
-from .orchestrator import OrchestratorConfig, propose_spec
+from .orchestrator import OrchestratorConfig, PoolSpecWriter
 from .prompts import Prompts
 from .spec import parse_spec
 
@@ -55,6 +56,9 @@ class EvalConfig:
             raise ValueError(f"limit={self.limit} must be >= 1 (or None for the whole split)")
         if self.k < 1 or self.n_agents < 1:
             raise ValueError("k and n_agents must be >= 1")
+        lo = {"chain": 2, "complete": 2, "random": 2, "tree": 3}.get(self.method, 1)
+        if self.n_agents < lo:
+            raise ValueError(f"{self.method} needs n_agents >= {lo} (the final agent included), got {self.n_agents}")
 
 
 def wilson_ci(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -105,17 +109,26 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: ExecutorCaps | None = None,
-             orch: OrchestratorConfig | None = None, progress: bool = True) -> dict:
-    """Evaluate, appending to out/results.jsonl; returns the summary (also written to out/summary.json)."""
+             orch: OrchestratorConfig | None = None, writer=None, examples=None, progress: bool = True) -> dict:
+    """Evaluate, appending to out/results.jsonl; returns the summary (also written to out/summary.json).
+    method 'orchestrator' uses `writer` (an object with .propose(task, domain, prompts, seed) -> SpecProposal, e.g.
+    lemon.orchestrator.PolicySpecWriter for the trained LEMON policy); without one, the prompted PoolSpecWriter.
+    `examples` overrides the loaded split (e.g. an eval pool); otherwise load(benchmark, split, limit, seed)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     caps = caps or ExecutorCaps()
     bench = B.get_benchmark(cfg.benchmark)
-    examples = B.load(cfg.benchmark, cfg.split, limit=cfg.limit, seed=cfg.seed)
+    if examples is None:
+        examples = B.load(cfg.benchmark, cfg.split, limit=cfg.limit, seed=cfg.seed)
+    elif cfg.limit is not None:
+        examples = examples[:cfg.limit]
+    writer = writer or PoolSpecWriter(pool, orch or OrchestratorConfig())
     fixed_spec = None
     if cfg.method.endswith((".yaml", ".yml")):
         fixed_spec = parse_spec(Path(cfg.method).read_text(), base_roles=prompts.roles_for(bench.domain))
-    config = {"eval": asdict(cfg), "caps": asdict(caps), "orchestrator": asdict(orch or OrchestratorConfig())}
+    config = {"eval": asdict(cfg), "caps": asdict(caps), "orchestrator": asdict(orch or OrchestratorConfig()),
+              "writer": writer.name if cfg.method == "orchestrator" else None,
+              "example_ids_sha256": hashlib.sha256("\n".join(e.id for e in examples).encode()).hexdigest()}
     mpath = out / "manifest.json"
     if mpath.exists():
         old = json.loads(mpath.read_text())
@@ -136,7 +149,7 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
     bar = tqdm(todo, desc=f"{cfg.method} {cfg.benchmark}/{cfg.split}", disable=not progress, initial=len(done),
                total=len(examples))
     for ex in bar:
-        row = _evaluate_one(cfg, ex, bench, pool, prompts, caps, orch or OrchestratorConfig(), cache, fixed_spec)
+        row = _evaluate_one(cfg, ex, bench, pool, prompts, caps, writer, cache, fixed_spec)
         _append(rpath, row)
         rows.append(row)
         s = summarize(rows)
@@ -147,7 +160,7 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
     return summary
 
 
-def _evaluate_one(cfg, ex, bench, pool, prompts, caps, orch, cache, fixed_spec) -> dict:
+def _evaluate_one(cfg, ex, bench, pool, prompts, caps, writer, cache, fixed_spec) -> dict:
     t0 = time.perf_counter()
     spec_text, spec_error, orch_tokens = None, None, 0
     if cfg.method in BASELINES:
@@ -156,7 +169,7 @@ def _evaluate_one(cfg, ex, bench, pool, prompts, caps, orch, cache, fixed_spec) 
     else:
         spec = fixed_spec
         if spec is None:  # the prompted orchestrator writes one spec per task
-            prop = propose_spec(pool, ex.question, bench.domain, prompts, orch, seed=cfg.seed)
+            prop = writer.propose(ex.question, bench.domain, prompts, seed=cfg.seed)
             spec_text, spec, spec_error = prop.text, prop.spec, prop.error
             orch_tokens = prop.prompt_tokens + prop.completion_tokens
         trace = execute(spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed) if spec else None

@@ -67,3 +67,41 @@ def propose_spec(pool, task: str, domain: str, prompts: Prompts, cfg: Orchestrat
         return SpecProposal(c.text, spec, None, None, c.prompt_tokens, c.completion_tokens)
     except SpecError as e:
         return SpecProposal(c.text, None, str(e), e.code, c.prompt_tokens, c.completion_tokens)
+
+
+class PoolSpecWriter:
+    """The prompted (untrained) orchestrator: a worker of the pool writes the spec."""
+
+    def __init__(self, pool, cfg: OrchestratorConfig = OrchestratorConfig()):
+        self.pool, self.cfg = pool, cfg
+        self.name = f"prompted:{pool.model_of(cfg.capacity)}"
+
+    def propose(self, task: str, domain: str, prompts: Prompts, seed: int = 0) -> SpecProposal:
+        return propose_spec(self.pool, task, domain, prompts, self.cfg, seed=seed)
+
+
+class PolicySpecWriter:
+    """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train) writes the spec
+    greedily. Its prompt and completion tokens are counted like any model's."""
+
+    def __init__(self, model, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), name: str = "policy"):
+        self.model, self.tok, self.cfg, self.name = model, tokenizer, cfg, name
+
+    def propose(self, task: str, domain: str, prompts: Prompts, seed: int = 0) -> SpecProposal:
+        import torch
+        msgs = orchestrator_messages(task, domain, prompts, self.cfg.max_agents)
+        enc = self.tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        enc = {k: v.to(self.model.device) for k, v in enc.items()}
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            gen = self.model.generate(**enc, max_new_tokens=self.cfg.max_tokens, do_sample=self.cfg.temperature > 0,
+                                      temperature=self.cfg.temperature if self.cfg.temperature > 0 else None,
+                                      pad_token_id=self.tok.pad_token_id)
+        new = gen[0, enc["input_ids"].shape[1]:]
+        text = self.tok.decode(new, skip_special_tokens=True)
+        n_prompt, n_new = int(enc["input_ids"].shape[1]), int((new != self.tok.pad_token_id).sum())
+        try:
+            spec = parse_spec(text, base_roles=prompts.roles_for(domain), max_agents=self.cfg.max_agents)
+            return SpecProposal(text, spec, None, None, n_prompt, n_new)
+        except SpecError as e:
+            return SpecProposal(text, None, str(e), e.code, n_prompt, n_new)

@@ -23,6 +23,8 @@ from .spec import Agent, Spec, parse_spec
 class SFTConfig:
     """Warm-start corpus and LoRA SFT."""
 
+    questions: int | None = None
+    """Training questions for the corpus (None = the training config's train_questions)."""
     candidates_per_question: int = 3
     """Mutated baseline specs per question (plus one from the prompted orchestrator when use_orchestrator)."""
     use_orchestrator: bool = False
@@ -45,6 +47,8 @@ class SFTConfig:
     """Prompt + spec tokens; longer rows are truncated (and counted)."""
     seed: int = 0
     """Seeds candidate mutation and the trainer."""
+    probe_questions: int = 4
+    """Training questions on which the policy's greedy valid-spec rate is measured before and after SFT."""
 
     def __post_init__(self):
         if self.candidates_per_question < 0 or self.keep_per_question < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from . import benchmarks as B
@@ -15,6 +15,7 @@ from .manifest import build_manifest, write_json
 from .orchestrator import orchestrator_messages
 from .policy import load_policy, resolve_backend
 from .prompts import Prompts
+from .sft import SFTConfig
 
 
 def training_examples(cfg: TrainConfig) -> list:
@@ -44,14 +45,59 @@ def latest_checkpoint(d: Path) -> Path | None:
     return cks[-1] if cks else None
 
 
-def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, progress: bool = True) -> dict:
+def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *, pool=None, progress: bool = True) -> dict:
+    """Stage 1: SFT warm start into out/ (adapter files + sft.json with corpus stats and valid rate before/after).
+    Skipped (its saved record returned) when out/sft.json exists: rerunning a study resumes instead of redoing."""
+    from .sft import build_corpus, run_sft, valid_rate
+    out = Path(out)
+    if (out / "sft.json").exists():
+        return json.loads((out / "sft.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    n_sft = sft.questions or cfg.train_questions
+    # the valid-rate probe uses further TRAIN-pool questions that are not in the corpus (training_examples is prefix-stable)
+    drawn = training_examples(replace(cfg, train_questions=n_sft + sft.probe_questions))
+    examples, probe = drawn[:n_sft], drawn[n_sft:]
+    benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
+    own_pool = pool is None and (sft.filter_by_execution or sft.use_orchestrator)
+    if own_pool:
+        pool = build_pool(cfg)
+    try:
+        rows, stats = build_corpus(examples, benches, prompts, sft, pool=pool,
+                                   caps=ExecutorCaps(max_agents=sft.max_agents, max_tokens=dict(cfg.worker_max_tokens)),
+                                   cache=NodeCache(path=out / "node_cache.jsonl"), progress=progress)
+    finally:
+        if own_pool:
+            pool.close()
+    with open(out / "corpus.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    model, tok = load_policy(cfg.policy)
+    before = valid_rate(model, tok, probe, benches, prompts, max_agents=cfg.max_agents,
+                        max_new_tokens=cfg.max_completion_length, progress=progress)
+    res = run_sft(model, tok, rows, sft, out, progress=progress)
+    after = valid_rate(model, tok, probe, benches, prompts, max_agents=cfg.max_agents,
+                       max_new_tokens=cfg.max_completion_length, progress=progress)
+    rec = {"adapter": str(out), "corpus": stats, "rows": len(rows), "valid_before": before, "valid_after": after,
+           "steps": res["steps"], "loss": [h["loss"] for h in res["history"] if "loss" in h], "config": asdict(sft)}
+    write_json(out / "sft.json", rec)
+    return rec
+
+
+def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adapter: str | Path | None = None,
+          progress: bool = True) -> dict:
     """Train (or resume) into `out`: checkpoints under out/grpo, the final adapter in out/adapter, per-step metrics in
-    out/metrics.jsonl, manifest.json. Returns {"steps", "adapter", "history"}."""
+    out/metrics.jsonl, manifest.json. `init_adapter` (e.g. the SFT warm start) is where the LoRA starts.
+    Returns {"steps", "adapter", "history"}; a finished run (out/adapter exists) is returned as is."""
     from datasets import Dataset
     from trl import GRPOConfig
     from .grpo import CFGRPOTrainer, CFStateCallback, SpecRewarder, load_cf_state
 
     out = Path(out)
+    if (out / "train.json").exists() and (out / "adapter").exists():
+        done = json.loads((out / "train.json").read_text())
+        if done["config"] == json.loads(json.dumps(asdict(cfg))):
+            return done  # finished with this very config: nothing to redo
+        # otherwise (e.g. more max_steps) continue from the latest checkpoint below
     out.mkdir(parents=True, exist_ok=True)
     examples = training_examples(cfg)
     domains = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
@@ -64,7 +110,7 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, progress:
                                                          seeds={"train": cfg.seed},
                                                          extra={"train_ids": [e.id for e in examples],
                                                                 "policy_backend": resolve_backend(cfg.policy)}))
-    model, tok = load_policy(cfg.policy)
+    model, tok = load_policy(cfg.policy, adapter=init_adapter)
     caps = ExecutorCaps(max_agents=cfg.max_agents, max_tokens=dict(cfg.worker_max_tokens))
     rewarder = SpecRewarder(pool, prompts, {e.id: e for e in examples}, domains, tok, reward=cfg.reward, caps=caps,
                             cache=NodeCache(path=out / "node_cache.jsonl"), sampler=FamilySampler(floor=cfg.family_floor),
@@ -93,5 +139,7 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, progress:
     trainer.model.save_pretrained(out / "adapter")
     tok.save_pretrained(out / "adapter")
     (out / "cf_sampler.json").write_text(json.dumps(rewarder.sampler.state_dict()))
-    return {"steps": trainer.state.global_step, "adapter": str(out / "adapter"), "history": trainer.state.log_history,
-            "config": asdict(cfg)}
+    rec = {"steps": trainer.state.global_step, "adapter": str(out / "adapter"), "history": trainer.state.log_history,
+           "config": asdict(cfg), "init_adapter": str(init_adapter) if init_adapter else None}
+    write_json(out / "train.json", rec)
+    return rec

@@ -1,0 +1,258 @@
+"""Tables and figures of the study (seaborn, saved as PNG) and its summary.md. Everything reads what the notebooks wrote to
+the study folder (results.jsonl, metrics.jsonl, edit_effects.jsonl), so a table can be rebuilt at any time without a model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from . import benchmarks as B
+from .evaluate import read_rows, summarize
+
+FAMILY_LABEL = {"edge": "m_E (drop edge)", "role": "m_R (duty -> base role)", "capacity": "m_L (capacity -1)"}
+
+
+def _plt():
+    import matplotlib
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+    if "inline" not in matplotlib.get_backend().lower():
+        matplotlib.use("Agg")  # headless unless a notebook's inline backend is active
+    sns.set_theme(style="whitegrid", context="notebook")
+    return plt, sns
+
+
+def save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def pool_sizes(stats: pd.DataFrame):
+    """Train / eval pool sizes per benchmark (log scale)."""
+    plt, sns = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    sns.barplot(data=stats, x="benchmark", y="n", hue="pool", ax=ax)
+    ax.set(yscale="log", ylabel="questions", title="disjoint train / eval pools")
+    return fig
+
+
+# ---- training --------------------------------------------------------------------------------------------------------
+def read_metrics(path: Path) -> pd.DataFrame:
+    """Per-step training metrics (metrics.jsonl: one JSON per logged step); a resumed run's repeated steps keep the last."""
+    rows = [r for r in read_rows(Path(path)) if "reward" in r]
+    if not rows:
+        return pd.DataFrame()
+    return pd.DataFrame(rows).drop_duplicates("step", keep="last").sort_values("step").reset_index(drop=True)
+
+
+def training_curves(m: pd.DataFrame, sft_loss: list[float] | None = None):
+    """Reward and its terms, valid-spec rate, worker / CF tokens, CF delta per family, family probabilities, SFT loss."""
+    plt, sns = _plt()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    panels = [("reward and its terms", ["reward", "rewards/success/mean", "rewards/token_efficiency/mean",
+                                        "rewards/graph_cost/mean", "rewards/invalid/mean"]),
+              ("valid-spec rate", ["spec/valid_rate"]), ("worker tokens per step", ["tokens/worker_spent", "tokens/cf_spent",
+                                                                                     "tokens/cf_nominal"]),
+              ("CF delta = R(orig) - R(edit)", [f"cf/delta_{f}" for f in FAMILY_LABEL]),
+              ("edit-family probability", [f"cf/prob_{f}" for f in FAMILY_LABEL])]
+    for ax, (title, cols) in zip(axes.flat, panels):
+        cols = [c for c in cols if c in m.columns and m[c].notna().any()]
+        if cols:
+            long = m[["step", *cols]].melt("step", var_name="metric").dropna()
+            sns.lineplot(data=long, x="step", y="value", hue="metric", marker="o", ax=ax)
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged yet", ha="center", transform=ax.transAxes)
+        ax.set_title(title)
+    ax = axes.flat[5]
+    if sft_loss:
+        sns.lineplot(x=range(1, len(sft_loss) + 1), y=sft_loss, marker="o", ax=ax)
+    ax.set(title="SFT warm-start loss", xlabel="logging step")
+    fig.tight_layout()
+    return fig
+
+
+# ---- evaluation ------------------------------------------------------------------------------------------------------
+def eval_table(root: Path, methods, benchmarks, sub=lambda root, m, b: Path(root) / "eval" / m / b) -> pd.DataFrame:
+    """One row per (method, benchmark) from results.jsonl: n, accuracy with its 95% Wilson CI, mean worker tokens."""
+    out = []
+    for m in methods:
+        for b in benchmarks:
+            rows = read_rows(sub(root, m, b) / "results.jsonl")
+            if not rows:
+                continue
+            s = summarize(rows)
+            out.append({"method": m, "benchmark": b, "split": rows[0].get("split"), "n": s["n"], "accuracy": s["accuracy"],
+                        "ci_lo": s["ci95"][0], "ci_hi": s["ci95"][1], "tokens": s["mean_worker_tokens"],
+                        "orchestrator_tokens": sum(r.get("orchestrator_tokens", 0) for r in rows) / s["n"],
+                        "invalid_specs": s["invalid_specs"], "errors": s["errors"]})
+    return pd.DataFrame(out)
+
+
+def pareto_front(costs, accs) -> list[bool]:
+    """True where no other point has cost <= and accuracy >= with one of them strict (lower cost, higher accuracy wins)."""
+    pts = list(zip(costs, accs))
+    return [not any(c2 <= c and a2 >= a and (c2 < c or a2 > a) for c2, a2 in pts) for c, a in pts]
+
+
+def method_summary(t: pd.DataFrame) -> pd.DataFrame:
+    """Per method: macro-average accuracy over benchmarks, mean worker tokens, total n, and whether it is Pareto-optimal."""
+    g = t.groupby("method", sort=False).agg(accuracy=("accuracy", "mean"), tokens=("tokens", "mean"), n=("n", "sum"),
+                                            benchmarks=("benchmark", "count")).reset_index()
+    g["pareto"] = pareto_front(g["tokens"].tolist(), g["accuracy"].tolist())
+    return g
+
+
+def pareto_plot(s: pd.DataFrame):
+    plt, sns = _plt()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    sns.scatterplot(data=s, x="tokens", y="accuracy", hue="method", style="pareto", s=120, ax=ax)
+    front = s[s["pareto"]].sort_values("tokens")
+    ax.step(front["tokens"], front["accuracy"], where="post", color="gray", ls="--", lw=1, label="Pareto front")
+    for _, r in s.iterrows():
+        ax.annotate(r["method"], (r["tokens"], r["accuracy"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.set(xlabel="mean worker tokens per question", ylabel="accuracy (macro avg over benchmarks)",
+           title="accuracy vs tokens")
+    ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def accuracy_heatmap(t: pd.DataFrame):
+    plt, sns = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * t["method"].nunique() + 2))
+    for ax, (col, fmt, title) in zip(axes, (("accuracy", ".2f", "accuracy"), ("tokens", ".0f", "mean worker tokens"))):
+        piv = t.pivot(index="method", columns="benchmark", values=col)
+        sns.heatmap(piv, annot=True, fmt=fmt, cmap="viridis", ax=ax, cbar=False)
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+# ---- ablations -------------------------------------------------------------------------------------------------------
+def edit_table(rows: list[dict]) -> pd.DataFrame:
+    """Mean effect of applying each edit family (edited minus original), per family and benchmark, with the edit count."""
+    if not rows:
+        return pd.DataFrame(columns=["family", "benchmark", "edits", "d_accuracy", "d_tokens"])
+    d = pd.DataFrame(rows)
+    return d.groupby(["family", "benchmark"]).agg(edits=("d_score", "size"), d_accuracy=("d_score", "mean"),
+                                                   d_tokens=("d_tokens", "mean")).reset_index()
+
+
+def edit_heatmap(e: pd.DataFrame):
+    plt, sns = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 3.2))
+    for ax, (col, fmt, cmap) in zip(axes, (("d_accuracy", ".2f", "RdBu"), ("d_tokens", ".0f", "RdBu_r"))):
+        piv = e.pivot(index="family", columns="benchmark", values=col) if len(e) else pd.DataFrame()
+        if len(piv):
+            sns.heatmap(piv, annot=True, fmt=fmt, cmap=cmap, center=0, ax=ax)
+        ax.set_title(f"{col} (edited - original)")
+    fig.tight_layout()
+    return fig
+
+
+def ablation_table(root: Path, variants, benchmarks) -> pd.DataFrame:
+    """Paper Table 2 shape: one row per training variant, accuracy and mean worker tokens per benchmark and averaged."""
+    t = eval_table(root, variants, benchmarks, sub=lambda r, m, b: Path(r) / "ablations" / "variants" / m / "eval" / b)
+    if t.empty:
+        return t
+    out = t.pivot(index="method", columns="benchmark", values=["accuracy", "tokens"])
+    out.columns = [f"{b} {'acc' if k == 'accuracy' else 'tokens'}" for k, b in out.columns]
+    out["avg acc"], out["avg tokens"] = t.groupby("method")["accuracy"].mean(), t.groupby("method")["tokens"].mean()
+    out["n per benchmark"] = t.groupby("method")["n"].min()
+    return out.reindex([v for v in variants if v in out.index]).rename_axis("variant").reset_index()
+
+
+def ablation_plot(a: pd.DataFrame):
+    """Average accuracy vs average tokens of the training variants."""
+    if a.empty:
+        return pareto_plot(pd.DataFrame({"method": [], "tokens": [], "accuracy": [], "pareto": []}))
+    s = a.rename(columns={"variant": "method", "avg acc": "accuracy", "avg tokens": "tokens"})
+    s["pareto"] = pareto_front(s["tokens"].tolist(), s["accuracy"].tolist())
+    fig = pareto_plot(s)
+    fig.axes[0].set_title("training variants: accuracy vs tokens")
+    return fig
+
+
+# ---- specs -----------------------------------------------------------------------------------------------------------
+def spec_gallery(items: list[tuple[str, object]]):
+    """Draw specs with lemon.widgets.draw_spec when available; else return their YAML. items: (title, Spec)."""
+    try:
+        from .widgets import draw_spec
+    except ImportError:
+        draw_spec = None
+    out = []
+    for title, spec in items:
+        if draw_spec is None:
+            out.append((title, spec.to_yaml()))
+            continue
+        fig = draw_spec(spec)
+        fig.suptitle(title, fontsize=9)
+        out.append((title, fig))
+    return out
+
+
+# ---- summary.md ------------------------------------------------------------------------------------------------------
+def md_table(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
+    if df is None or df.empty:
+        return "_(no rows yet)_"
+    cell = lambda v: floatfmt.format(v) if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def write_summary(cfg, paths) -> Path:
+    """summary.md: every table of the study, each captioned with split, n, models and seed."""
+    root = Path(paths.root)
+    man = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
+    workers = ", ".join(f"{c}={w.get('model')}" for c, w in man.get("workers", {}).items()) or "see manifest.json"
+    models = f"workers {workers}; policy {cfg.train.policy.model} + LoRA r={cfg.train.policy.lora_r}"
+    splits = ", ".join(f"{b} {B.POOL_SPLITS['eval'][b]}" for b in cfg.benchmarks)
+    md = [f"# LEMON study — profile `{cfg.profile}`", "",
+          f"Folder `{root}`; git `{man.get('git', '?')}`; seed {cfg.seed}; protocol `{cfg.protocol}` (disjoint train/eval "
+          f"pools); {models}. Regenerate: `scripts/main.sh --profile {cfg.profile} --out {root}`.", ""]
+    stats = json.loads((root / "data" / "stats.json").read_text()) if (root / "data" / "stats.json").exists() else []
+    md += ["## Data pools (notebook 01)", "", md_table(pd.DataFrame(stats)), ""]
+    sft_p, tr_p = root / "train" / "sft" / "sft.json", root / "train" / "grpo" / "train.json"
+    if sft_p.exists() and tr_p.exists():
+        sft, m = json.loads(sft_p.read_text()), read_metrics(root / "train" / "grpo" / "metrics.jsonl")
+        last = m.iloc[-1].to_dict() if len(m) else {}
+        md += ["## Training (notebook 02)", "",
+               f"SFT warm start: {sft['rows']} corpus rows; valid-spec rate {sft['valid_before']['rate']:.2f} -> "
+               f"{sft['valid_after']['rate']:.2f} (greedy, n={sft['valid_after']['n']} train-pool questions). CF-GRPO: "
+               f"{len(m)} logged steps on {cfg.train.train_questions} train-pool questions ({', '.join(cfg.train.benchmarks)}), "
+               f"G={cfg.train.num_generations}, cf_lambda={cfg.train.cf_lambda}; last step reward "
+               f"{last.get('reward', float('nan')):.3f}, valid rate {last.get('spec/valid_rate', float('nan')):.2f}. "
+               f"Seed {cfg.train.seed}; {models}.", ""]
+    t = eval_table(root, cfg.eval_methods, cfg.benchmarks)
+    if not t.empty:
+        show = t.assign(accuracy=[f"{a:.3f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t.accuracy, t.ci_lo, t.ci_hi)])
+        md += ["## Main results (notebook 04)", "",
+               f"Accuracy [95% Wilson CI] and mean worker tokens per question on the EVAL pools ({splits}); "
+               f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}); baselines at capacity "
+               f"`{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); {models}.", "",
+               md_table(show[["method", "benchmark", "split", "n", "accuracy", "tokens", "invalid_specs"]], "{:.1f}"), "",
+               "Macro average over benchmarks (Pareto = no method is both cheaper and more accurate):", "",
+               md_table(method_summary(t)), ""]
+    a = ablation_table(root, cfg.ablation_variants, cfg.ablation_benchmarks)
+    if not a.empty:
+        md += ["## Ablation: training variants (notebook 03, paper Table 2 shape)", "",
+               f"Each variant: {cfg.ablation_steps} CF-GRPO steps from the same SFT warm start (seed {cfg.train.seed}); "
+               f"evaluated on n = {cfg.ablation_n} EVAL-pool questions per benchmark "
+               f"({', '.join(b + ' ' + B.POOL_SPLITS['eval'][b] for b in cfg.ablation_benchmarks)}); "
+               f"{models}.", "", md_table(a), ""]
+    e = edit_table(read_rows(root / "ablations" / "edit_effects.jsonl"))
+    if not e.empty:
+        md += ["## Edit effects (notebook 03)", "",
+               f"Mean change when one edit is applied to a held-out spec (edited minus original; score and nominal worker "
+               f"tokens), on n = {cfg.edit_n} EVAL-pool question(s) per benchmark x {cfg.edit_specs} mutated-baseline spec(s), "
+               f"up to {cfg.edit_sites} site(s) per family (seed {cfg.seed}); {models}.", "", md_table(e), ""]
+    timings = root / "timings.json"
+    if timings.exists():
+        md += ["## Wall time (s per notebook, last execution)", "", "`" + timings.read_text().strip() + "`", ""]
+    p = root / "summary.md"
+    p.write_text("\n".join(md) + "\n")
+    return p

@@ -1,0 +1,511 @@
+"""The user-facing study: notebooks 01 (data) -> 02 (SFT + CF-GRPO) -> 03 (ablations) -> 04 (evaluation), executed with
+papermill into outputs/<profile>-<timestamp>/ by ONE command (`scripts/main.sh --profile smoke|cpu|paper [--out DIR | --resume]`).
+All logic lives here and in lemon.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
+are skipped (a marker under .done/), and inside a notebook training resumes from checkpoints and evaluation from results.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from . import benchmarks as B
+from .baselines import BASELINES
+from .config import PROFILES, TrainConfig, sft_preset, train_preset
+from .edits import FAMILIES
+from .evaluate import EvalConfig, read_rows, run_eval
+from .executor import ExecutorCaps
+from .manifest import build_manifest, write_json
+from .models import DEFAULT_LADDER, SHIPPED
+from .orchestrator import OrchestratorConfig, PolicySpecWriter
+from .sft import SFTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ("01_prepare_data", "02_train_grpo_lora", "03_ablations", "04_evaluate")
+ORCHESTRATORS = ("prompted", "lemon")  # eval methods besides the baselines: the untrained prompted worker, the trained policy
+VARIANTS = {"sft": None, "global": {"cf_lambda": 0.0}, "full": {},  # sft = warm start only (no RL); full = CF over all families
+            **{f: {"cf_families": (f,)} for f in FAMILIES}}  # one edit family alone
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Everything the four notebooks do for one profile (training itself: `train` / `sft`, from lemon.config)."""
+
+    profile: str
+    """smoke | cpu | paper."""
+    train: TrainConfig
+    """CF-GRPO config of the main run (lemon.config.train_preset(profile))."""
+    sft: SFTConfig
+    """Warm-start config (lemon.config.sft_preset(profile))."""
+    seed: int = 0
+    """Seeds the eval/edit/ablation samples, every worker call and (through train/sft) training."""
+    protocol: str = "paper"
+    """Train/eval pool protocol (lemon.benchmarks.PROTOCOLS)."""
+    benchmarks: tuple[str, ...] = B.BENCHMARKS
+    """Benchmarks evaluated in notebook 04 (their EVAL pools)."""
+    eval_n: int | None = 2
+    """Eval questions per benchmark (a seeded sample of the eval pool; None = the whole pool)."""
+    eval_methods: tuple[str, ...] = BASELINES + ORCHESTRATORS
+    """Methods of notebook 04: baselines, 'prompted' (untrained orchestrator), 'lemon' (trained policy)."""
+    baseline_capacity: str = "medium"
+    """Capacity of every baseline agent."""
+    n_agents: int = 3
+    """Agents (final included) of chain / tree / complete / random."""
+    sc_k: int = 3
+    """SC-CoT samples."""
+    orchestrator_capacity: str = "large"
+    """Which worker writes the prompted orchestrator's spec."""
+    orchestrator_max_tokens: int = 320
+    """Spec length cap of the prompted and the trained orchestrator."""
+    eval_max_tokens: dict = field(default_factory=lambda: {"small": 192, "medium": 256, "large": 320})
+    """Per-capacity cap on each agent's reply in notebooks 03/04."""
+    edit_n: int = 1
+    """Edit-effect questions per benchmark (a prefix of the eval sample)."""
+    edit_specs: int = 1
+    """Held-out (mutated baseline) specs per edit-effect question."""
+    edit_sites: int = 1
+    """Sites per family and spec at which an edit is applied (seeded choice among the eligible ones)."""
+    ablation_variants: tuple[str, ...] = ("global", "full", "edge", "role", "capacity")
+    """Training variants of notebook 03 (keys of VARIANTS), all started from the same SFT warm start."""
+    ablation_steps: int = 1
+    """GRPO steps of each variant ('full' reuses notebook 02's run when this equals train.max_steps)."""
+    ablation_benchmarks: tuple[str, ...] = ("gsm8k", "mmlu")
+    """Benchmarks each variant's adapter is evaluated on."""
+    ablation_n: int = 1
+    """Eval questions per ablation benchmark (a prefix of the eval sample)."""
+    gallery: int = 4
+    """Generated specs drawn in notebook 04."""
+
+    def __post_init__(self):
+        if self.profile not in PROFILES or self.train.profile != self.profile:
+            raise ValueError(f"profile={self.profile!r} (train preset {self.train.profile!r}); valid: {', '.join(PROFILES)}")
+        if self.protocol not in B.PROTOCOLS:
+            raise ValueError(f"protocol={self.protocol!r}; valid: {', '.join(B.PROTOCOLS)}")
+        for name in (*self.benchmarks, *self.ablation_benchmarks):
+            B.get_benchmark(name)  # raises UnknownBenchmarkError naming the valid ones
+        bad = [m for m in self.eval_methods if m not in BASELINES + ORCHESTRATORS]
+        if bad:
+            raise ValueError(f"unknown eval methods {bad}; valid: {', '.join(BASELINES + ORCHESTRATORS)}")
+        bad = [v for v in self.ablation_variants if v not in VARIANTS]
+        if bad:
+            raise ValueError(f"unknown ablation variants {bad}; valid: {', '.join(VARIANTS)}")
+        if self.eval_n is not None and self.eval_n < 1:
+            raise ValueError("eval_n must be >= 1 (or None for the whole eval pool)")
+        cap = self.eval_n or 10**9
+        for k in ("edit_n", "ablation_n"):
+            if not 0 <= getattr(self, k) <= cap:
+                raise ValueError(f"{k}={getattr(self, k)} must be in 0..eval_n={self.eval_n}: its questions are a prefix of the eval sample")
+        if min(self.edit_specs, self.edit_sites, self.ablation_steps, self.sc_k) < 1:
+            raise ValueError("edit_specs, edit_sites, ablation_steps and sc_k must be >= 1")
+        EvalConfig("tree", "gsm8k", capacity=self.baseline_capacity, n_agents=self.n_agents, k=self.sc_k)  # same checks as eval
+        OrchestratorConfig(capacity=self.orchestrator_capacity, max_tokens=self.orchestrator_max_tokens)
+        ExecutorCaps(max_tokens=dict(self.eval_max_tokens))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
+    """The study of a profile; `overrides` replace StudyConfig fields."""
+    train, sft = train_preset(profile, seed=seed), sft_preset(profile, seed=seed)
+    if profile == "smoke":  # CI: 135M everywhere, 2 questions per benchmark, 1-step variants. Measured: see LOG.md.
+        cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, eval_max_tokens=dict(train.worker_max_tokens),
+                          ablation_benchmarks=("gsm8k",), ablation_n=1)
+    elif profile == "cpu":
+        # Embedded default, 2 cores; ESTIMATE (to be measured), from llama.cpp ~60/30/15 tok/s (135M/0.5B/1.5B), 0.5B policy
+        # generation ~6 tok/s and a CF-GRPO step of a few minutes: 01 ~1 min; 02 SFT on 8 questions ~12 min + 4 GRPO steps
+        # ~16 min; 03 edit effects (6 questions) ~6 min + 5 variants x 1 step ~20 min + their evals (2 questions each) ~12 min;
+        # 04 baselines 7 x 6 x 2 questions (medium workers, 3 agents, k=3) ~33 min + prompted ~10 min + LEMON ~14 min.
+        # Total ~2 h.
+        cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed)
+    elif profile == "paper":  # one GPU + vLLM workers: full eval pools, Table-2 ablation at 300 steps on 200 MMLU / GSM8K questions
+        cfg = StudyConfig("paper", train, sft, seed=seed, eval_n=None, n_agents=4, sc_k=5, orchestrator_max_tokens=1024,
+                          eval_max_tokens=dict(train.worker_max_tokens), edit_n=20, edit_specs=2, edit_sites=2,
+                          ablation_variants=("sft", "global", "full", "edge", "role", "capacity"), ablation_steps=300,
+                          ablation_benchmarks=("mmlu", "gsm8k"), ablation_n=200, gallery=8)
+    else:
+        raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    return replace(cfg, **overrides)
+
+
+# ---- where things go -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StudyPaths:
+    """The layout of one study folder."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root).resolve())
+
+    data = property(lambda s: s.root / "data")
+    samples = property(lambda s: s.root / "data" / "samples.json")
+    sft = property(lambda s: s.root / "train" / "sft")
+    grpo = property(lambda s: s.root / "train" / "grpo")
+    edits = property(lambda s: s.root / "ablations" / "edit_effects.jsonl")
+    plots = property(lambda s: s.root / "plots")
+    done = property(lambda s: s.root / ".done")
+
+    def variant(self, name: str) -> Path:
+        return self.root / "ablations" / "variants" / name
+
+    def eval_dir(self, method: str, bench: str) -> Path:
+        return self.root / "eval" / method / bench
+
+    def require(self, path: Path, notebook: str) -> Path:
+        """`path`, or a FileNotFoundError naming the notebook that writes it (nothing is recomputed silently)."""
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{path} is missing: run notebooks/{notebook}.ipynb first with out_dir={str(self.root)!r} "
+                                    f"(or the whole study: scripts/main.sh --out {self.root})")
+        return Path(path)
+
+
+def resolve_out_dir(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, root: Path = ROOT,
+                    create: bool = True) -> Path:
+    """`out_dir` when given; with `resume`, the newest outputs/<profile>-<timestamp>; else a new timestamped folder."""
+    if out_dir:
+        return Path(out_dir).resolve()
+    runs = sorted(p for p in (root / "outputs").glob(f"{profile}-*") if re.fullmatch(rf"{profile}-\d{{8}}-\d{{6}}", p.name))
+    if resume:
+        if not runs:
+            raise FileNotFoundError(f"--resume: no earlier {profile} study under {root / 'outputs'}; run without --resume")
+        return runs[-1].resolve()
+    if not create:
+        return runs[-1].resolve() if runs else root / "outputs" / f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return (root / "outputs" / f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def setup(profile: str, out_dir: str, seed: int) -> tuple[StudyConfig, StudyPaths]:
+    """What every notebook's second cell calls: the config, the paths (out_dir '' = the newest study of this profile, or a
+    new one), with the config checked against the one the study folder was started with."""
+    cfg = study_preset(profile, seed=seed)
+    paths = StudyPaths(resolve_out_dir(profile, out_dir or None, create=False))
+    write_config(cfg, paths)
+    return cfg, paths
+
+
+def write_config(cfg: StudyConfig, paths: StudyPaths) -> None:
+    """config.json; a folder started with another config is refused (one folder = one experiment)."""
+    paths.root.mkdir(parents=True, exist_ok=True)
+    new = json.loads(json.dumps(cfg.to_dict(), default=str))
+    p = paths.root / "config.json"
+    if p.exists() and json.loads(p.read_text()) != new:
+        raise ValueError(f"{paths.root} holds a study with a different config (profile/seed/code changed); resume it with the "
+                         f"same one or choose another --out")
+    if not p.exists():
+        write_json(p, new)
+
+
+# ---- samples (notebook 01 writes them, the others read them) ---------------------------------------------------------
+def sample_ids(pool_ids: list[str], n: int | None, seed: int) -> list[str]:
+    """A seeded order of a pool's ids, cut to n; edit/ablation samples are prefixes of it (same questions, fewer)."""
+    ids = list(pool_ids)
+    random.Random(seed).shuffle(ids)
+    return ids if n is None else ids[:n]
+
+
+def load_samples(cfg: StudyConfig, paths: StudyPaths, which: str = "eval") -> dict[str, list]:
+    """{benchmark: [Example]} of the eval sample written by notebook 01 ('eval', 'edit' or 'ablation')."""
+    ids = json.loads(paths.require(paths.samples, "01_prepare_data").read_text())[which]
+    out = {}
+    for b, want in ids.items():
+        by_id = {e.id: e for e in B.pool(b, "eval", cfg.protocol)}
+        out[b] = [by_id[i] for i in want]
+    return out
+
+
+# ---- notebook 01: data -----------------------------------------------------------------------------------------------
+def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
+    """Write the disjoint pools (ids per benchmark) and the seeded samples under data/; return the stats rows and the checks
+    (counts, id and normalized-text overlap between train and eval, samples inside the eval pools). Raises on any overlap."""
+    train, ev = B.train_pool(cfg.protocol), B.eval_pool(cfg.protocol)
+    dropped = B.dropped_counts(cfg.protocol)
+    stats, checks = [], {}
+    for b in B.BENCHMARKS:
+        for which, exs in (("train", train[b]), ("eval", ev[b])):
+            lens = sorted(len(e.question) for e in exs)
+            stats.append({"benchmark": b, "pool": which, "split": B.POOL_SPLITS[which][b], "n": len(exs),
+                          "question_chars_median": lens[len(lens) // 2] if lens else 0,
+                          "dropped_for_text_overlap": dropped[b] if which == "train" else 0})
+        tid, eid = {e.id for e in train[b]}, {e.id for e in ev[b]}
+        ttx = {B.normalize_question(e.question) for e in train[b]}
+        etx = {B.normalize_question(e.question) for e in ev[b]}
+        checks[b] = {"train": len(train[b]), "eval": len(ev[b]), "id_overlap": len(tid & eid), "text_overlap": len(ttx & etx)}
+    all_t = {B.normalize_question(e.question) for x in train.values() for e in x}
+    checks["cross_benchmark_text_overlap"] = sum(B.normalize_question(e.question) in all_t for x in ev.values() for e in x)
+    order = {b: sample_ids([e.id for e in ev[b]], None, cfg.seed) for b in cfg.benchmarks}
+    cut = lambda n, bs: {b: order[b][:n] if n is not None else order[b] for b in bs}  # noqa: E731
+    samples = {"eval": cut(cfg.eval_n, cfg.benchmarks), "edit": cut(cfg.edit_n, cfg.benchmarks),
+               "ablation": cut(cfg.ablation_n, cfg.ablation_benchmarks), "seed": cfg.seed, "protocol": cfg.protocol}
+    bad = [b for b in B.BENCHMARKS if checks[b]["id_overlap"] or checks[b]["text_overlap"]]
+    if bad:
+        raise AssertionError(f"train and eval pools overlap for {bad}: {[checks[b] for b in bad]}")
+    paths.data.mkdir(parents=True, exist_ok=True)
+    write_json(paths.data / "train_ids.json", {b: [e.id for e in train[b]] for b in B.BENCHMARKS})
+    write_json(paths.data / "eval_ids.json", {b: [e.id for e in ev[b]] for b in B.BENCHMARKS})
+    write_json(paths.data / "checks.json", checks)
+    write_json(paths.data / "stats.json", stats)
+    write_json(paths.samples, samples)
+    return {"stats": stats, "checks": checks, "samples": samples}
+
+
+# ---- notebook 02: training -------------------------------------------------------------------------------------------
+def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, progress: bool = True) -> tuple[dict, dict]:
+    """SFT warm start then CF-GRPO (both resume), with one worker pool; checks the training ids lie in 01's train pools."""
+    from .train import build_pool, train, warm_start
+    pools = json.loads(paths.require(paths.data / "train_ids.json", "01_prepare_data").read_text())
+    pool = build_pool(cfg.train)
+    try:
+        sft = warm_start(cfg.train, cfg.sft, paths.sft, prompts, pool=pool, progress=progress)
+        res = train(cfg.train, paths.grpo, prompts, pool=pool, init_adapter=sft["adapter"], progress=progress)
+    finally:
+        pool.close()
+    allowed = {i for ids in pools.values() for i in ids}
+    used = json.loads((paths.grpo / "manifest.json").read_text()).get("train_ids", [])
+    if set(used) - allowed:
+        raise AssertionError(f"training used ids outside notebook 01's train pools: {sorted(set(used) - allowed)[:5]}")
+    return sft, res
+
+
+# ---- notebook 03: ablations ------------------------------------------------------------------------------------------
+def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> list[dict]:
+    """On held-out specs (seeded mutated baselines) for the edit sample of the EVAL pools, apply each edit family at up to
+    `edit_sites` eligible sites and execute original and edited spec (node cache shared). One row per edit in
+    ablations/edit_effects.jsonl (resumed by key); d_score / d_tokens = edited minus original."""
+    from tqdm.auto import tqdm
+    from .edits import apply_edit, eligible_sites
+    from .evaluate import _append
+    from .executor import NodeCache, execute
+    from .sft import mutated_baseline
+    samples = load_samples(cfg, paths, "edit")
+    paths.edits.parent.mkdir(parents=True, exist_ok=True)
+    rows = read_rows(paths.edits)
+    done = {r["key"] for r in rows}
+    cache = NodeCache(path=paths.edits.with_name("edit_node_cache.jsonl"))
+    caps = eval_caps(cfg)
+    jobs = [(b, ex, k) for b, exs in samples.items() for ex in exs for k in range(cfg.edit_specs)]
+    for b, ex, k in tqdm(jobs, desc="edit effects", disable=not progress):
+        bench = B.get_benchmark(b)
+        rng = random.Random(f"{cfg.seed}/{ex.id}/{k}")
+        spec = mutated_baseline(bench.domain, ex.question, prompts, rng, max_agents=min(cfg.train.max_agents, 4))
+        orig = None
+        for fam in FAMILIES:
+            sites = eligible_sites(spec, fam, prompts)
+            for site in rng.sample(sites, min(cfg.edit_sites, len(sites))):
+                key = f"{ex.id}|{k}|{fam}|{'>'.join(site)}"
+                if key in done:
+                    continue
+                orig = orig or execute(spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed)
+                e = apply_edit(spec, fam, site, prompts)
+                tr = execute(e.spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed)
+                row = {"key": key, "id": ex.id, "benchmark": b, "split": ex.split, "spec_index": k, "family": fam,
+                       "site": list(site), "agents": len(spec.agents), "score_orig": orig.score, "score_edit": tr.score,
+                       "tokens_orig": orig.nominal_tokens, "tokens_edit": tr.nominal_tokens,
+                       "d_score": tr.score - orig.score, "d_tokens": tr.nominal_tokens - orig.nominal_tokens,
+                       "spec": spec.text, "edited_spec": e.text}
+                _append(paths.edits, row)
+                rows.append(row)
+    return rows
+
+
+def train_variant(cfg: StudyConfig, paths: StudyPaths, name: str, prompts, pool, *, progress: bool = True) -> Path:
+    """Train (or resume) one ablation variant from notebook 02's SFT warm start; returns its adapter folder.
+    'sft' is the warm start itself; 'full' at the main run's step count is notebook 02's run (not retrained)."""
+    from .train import train
+    sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())
+    if name == "sft":
+        return Path(sft["adapter"])
+    if name == "full" and cfg.ablation_steps == cfg.train.max_steps:
+        return Path(paths.require(paths.grpo / "adapter", "02_train_grpo_lora"))
+    vcfg = replace(cfg.train, max_steps=cfg.ablation_steps, save_steps=min(cfg.train.save_steps, cfg.ablation_steps),
+                   **VARIANTS[name])
+    return Path(train(vcfg, paths.variant(name), prompts, pool=pool, init_adapter=sft["adapter"], progress=progress)["adapter"])
+
+
+def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> dict[str, Path]:
+    """Train each variant (resumes) and evaluate its adapter on the ablation sample into ablations/variants/<name>/eval."""
+    samples = load_samples(cfg, paths, "ablation")
+    adapters = {}
+    for name in cfg.ablation_variants:
+        adapters[name] = train_variant(cfg, paths, name, prompts, pool, progress=progress)
+        gc.collect()
+        evaluate(cfg, paths, name, samples, pool, prompts, adapter=adapters[name], progress=progress,
+                 out_of=lambda b, n=name: paths.variant(n) / "eval" / b)
+    return adapters
+
+
+# ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
+def eval_pool(cfg: StudyConfig):
+    """The worker pool of notebooks 03/04 (same models as training, eval reply caps); close it when done."""
+    from .train import build_pool
+    return build_pool(replace(cfg.train, worker_max_tokens=dict(cfg.eval_max_tokens)))
+
+
+def eval_caps(cfg: StudyConfig) -> ExecutorCaps:
+    return ExecutorCaps(max_agents=max(cfg.train.max_agents, cfg.n_agents, 4), max_tokens=dict(cfg.eval_max_tokens))
+
+
+def orch_config(cfg: StudyConfig) -> OrchestratorConfig:
+    return OrchestratorConfig(capacity=cfg.orchestrator_capacity, max_tokens=cfg.orchestrator_max_tokens,
+                              max_agents=cfg.train.max_agents)
+
+
+class LazyPolicyWriter:
+    """The trained orchestrator (PolicySpecWriter on base model + adapter), loaded on its first spec: a resumed eval whose
+    rows all exist never loads the model."""
+
+    def __init__(self, cfg: StudyConfig, adapter: Path, name: str):
+        self.cfg, self.adapter, self.name, self._w = cfg, Path(adapter), name, None
+
+    def propose(self, *a, **kw):
+        if self._w is None:
+            from .policy import load_policy
+            model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
+            model.eval()
+            self._w = PolicySpecWriter(model, tok, orch_config(self.cfg), self.name)
+        return self._w.propose(*a, **kw)
+
+    def close(self) -> None:
+        self._w = None
+        gc.collect()
+
+
+def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[str, list], pool, prompts, *,
+             adapter: Path | None = None, out_of=None, progress: bool = True) -> list[dict]:
+    """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
+    summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy)."""
+    if method not in BASELINES and method != "prompted" and adapter is None:
+        raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter")
+    writer = None
+    if adapter is not None:
+        rel = Path(adapter).resolve().relative_to(paths.root) if paths.root in Path(adapter).resolve().parents else adapter
+        writer = LazyPolicyWriter(cfg, Path(adapter), name=f"lemon:{cfg.train.policy.model}:{rel}")
+    out_of = out_of or (lambda b: paths.eval_dir(method, b))
+    sums = []
+    try:
+        for b, exs in examples.items():
+            ecfg = EvalConfig("orchestrator" if method not in BASELINES else method, b, B.POOL_SPLITS["eval"][b], seed=cfg.seed,
+                              capacity=cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
+            s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg), orch=orch_config(cfg), writer=writer,
+                         examples=exs, progress=progress)
+            sums.append({**s, "method": method})
+    finally:
+        if writer:
+            writer.close()
+    return sums
+
+
+def evaluate_all(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True) -> None:
+    """Notebook 04: every method of cfg.eval_methods on the eval sample (LEMON = notebook 02's adapter)."""
+    samples = load_samples(cfg, paths, "eval")
+    adapter = paths.require(paths.grpo / "adapter", "02_train_grpo_lora") if "lemon" in cfg.eval_methods else None
+    for m in cfg.eval_methods:
+        evaluate(cfg, paths, m, samples, pool, prompts, adapter=adapter if m == "lemon" else None, progress=progress)
+
+
+def generated_specs(cfg: StudyConfig, paths: StudyPaths, prompts, methods=ORCHESTRATORS) -> list[dict]:
+    """Specs the orchestrators wrote in notebook 04 (parsed again; invalid ones keep their error), valid ones first."""
+    from .spec import SpecError, parse_spec
+    out = []
+    for m in methods:
+        for b in cfg.benchmarks:
+            for r in read_rows(paths.eval_dir(m, b) / "results.jsonl"):
+                if not r.get("spec"):
+                    continue
+                try:
+                    spec = parse_spec(r["spec"], base_roles=prompts.roles_for(B.get_benchmark(b).domain))
+                except SpecError:
+                    spec = None
+                out.append({"method": m, "benchmark": b, "id": r["id"], "spec": spec, "text": r["spec"],
+                            "error": r.get("spec_error"), "correct": r["correct"], "tokens": r["tokens"]})
+    return sorted(out, key=lambda d: d["spec"] is None)
+
+
+# ---- the runner ------------------------------------------------------------------------------------------------------
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def study_manifest(cfg: StudyConfig) -> dict:
+    """Git sha, config, data files' and models' sha256, seeds (what produced every number of the study)."""
+    from .prompts import default_prompts
+    workers = cfg.train.workers or {c: {"backend": "llama_cpp", "model": m} for c, m in DEFAULT_LADDER.items()}
+    workers = {c: {k: v for k, v in w.items() if k in ("backend", "model", "base_url")} for c, w in workers.items()}
+    root = B.resolve_data_dir()
+    files = sorted({root / b / f"{B.POOL_SPLITS[w][b]}.jsonl" for b in B.BENCHMARKS for w in ("train", "eval")})
+    pol = cfg.train.policy.model
+    return build_manifest(cfg.to_dict(), prompts_sha256=default_prompts().sha256, workers=workers, data_files=files,
+                          seeds={"study": cfg.seed, "train": cfg.train.seed, "sft": cfg.sft.seed, "eval": cfg.seed},
+                          extra={"policy": {"model": pol, **({"sha256": SHIPPED[pol].sha256} if pol in SHIPPED else {})},
+                                 "protocol": cfg.protocol, "data_dir": str(root)})
+
+
+def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, seed: int = 0,
+              notebooks: tuple[str, ...] = NOTEBOOKS, log_output: bool = True) -> Path:
+    """Execute the notebooks in order with papermill into the study folder; a notebook that finished with the same source
+    and config is skipped. A failing cell stops the study: the notebook, cell and error are printed, exit status 1."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+    from .plots import write_summary
+    paths = StudyPaths(resolve_out_dir(profile, out_dir, resume))
+    cfg = study_preset(profile, seed=seed)
+    print(f"LEMON study, profile {profile}, seed {seed}: {paths.root}", flush=True)
+    write_config(cfg, paths)
+    if not (paths.root / "manifest.json").exists():
+        write_json(paths.root / "manifest.json", study_manifest(cfg))
+    paths.done.mkdir(exist_ok=True)
+    timings = json.loads((paths.root / "timings.json").read_text()) if (paths.root / "timings.json").exists() else {}
+    for nb in notebooks:
+        src = ROOT / "notebooks" / f"{nb}.ipynb"
+        key = _digest(src.read_text(), cfg.to_dict())
+        marker = paths.done / f"{nb}.json"
+        if marker.exists() and json.loads(marker.read_text()).get("key") == key:
+            print(f"[{nb}] finished earlier; skipped", flush=True)
+            continue
+        print(f"[{nb}] running ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            pm.execute_notebook(str(src), str(paths.root / f"{nb}.ipynb"), kernel_name="python3", cwd=str(ROOT),
+                                parameters={"profile": profile, "out_dir": str(paths.root), "seed": seed},
+                                log_output=log_output, progress_bar=False)
+        except PapermillExecutionError as e:
+            print(f"\nstudy FAILED in notebook {nb}.ipynb, cell {e.cell_index} (execution count {e.exec_count}): "
+                  f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"
+                  f"  fix it and resume with: scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        timings[nb] = round(time.perf_counter() - t0, 1)
+        write_json(paths.root / "timings.json", timings)
+        write_json(marker, {"key": key, "wall_s": timings[nb], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        print(f"[{nb}] done in {timings[nb]:.0f} s", flush=True)
+    if set(NOTEBOOKS) <= {p.stem for p in paths.done.glob("*.json")}:
+        write_summary(cfg, paths)
+        print(f"summary: {paths.root / 'summary.md'}", flush=True)
+    return paths.root
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lemon.study", description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
+    p.add_argument("--profile", default="cpu", choices=PROFILES, help="smoke (CI, minutes) | cpu (2 cores, ~2 h) | paper (GPU)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--out", help="study folder (an existing one is resumed; default: a new outputs/<profile>-<timestamp>)")
+    g.add_argument("--resume", action="store_true", help="resume the newest outputs/<profile>-* study")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="do not stream cell outputs to the console")
+    a = p.parse_args(argv)
+    try:
+        run_study(a.profile, a.out, a.resume, seed=a.seed, log_output=not a.quiet)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The study notebooks: their shape (fast), and the whole smoke study through papermill, validated with nbval (slow, in CI):
+plots, summary tables and result rows exist, and a rerun resumes instead of redoing."""
+import ast
+import json
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+
+from lemon import study
+from lemon.evaluate import read_rows
+
+NB_DIR = study.ROOT / "notebooks"
+PLOTS = ("data_pools", "training_curves", "edit_effects", "ablation", "accuracy", "pareto")
+
+
+@pytest.mark.parametrize("name", study.NOTEBOOKS)
+def test_notebook_shape(name):
+    nb = nbformat.read(NB_DIR / f"{name}.ipynb", as_version=4)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert nb.cells[0] is code[0] and "parameters" in code[0].metadata.get("tags", [])
+    names = set()
+    for stmt in ast.parse(code[0].source).body:  # literals only, so papermill can override them
+        assert isinstance(stmt, ast.Assign), ast.dump(stmt)
+        ast.literal_eval(stmt.value)
+        names |= {t.id for t in stmt.targets}
+    assert names == {"profile", "out_dir", "seed"}
+    assert nb.cells[1] is code[1] and "study.setup(profile, out_dir, seed)" in code[1].source and "print(cfg)" in code[1].source
+    for c in code:  # logic lives in lemon/, not in the notebooks
+        tree = ast.parse("\n".join(l for l in c.source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))], c.source
+
+
+def _png(path):
+    data = path.read_bytes()
+    return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def _rows(out, cfg):
+    return {(m, b): [r["id"] for r in read_rows(out / "eval" / m / b / "results.jsonl")]
+            for m in cfg.eval_methods for b in cfg.benchmarks}
+
+
+@pytest.mark.slow
+def test_smoke_study_end_to_end(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke") / "study"
+    cfg = study.study_preset("smoke")
+    t0 = time.perf_counter()
+    assert study.run_study("smoke", out, log_output=False) == out.resolve()
+    first = time.perf_counter() - t0
+    print(f"smoke study: {first:.0f} s; per notebook {json.loads((out / 'timings.json').read_text())}")
+
+    executed = [out / f"{nb}.ipynb" for nb in study.NOTEBOOKS]
+    for p in executed:
+        nb = nbformat.read(p, as_version=4)
+        assert not [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"], p
+    for name in PLOTS:
+        assert _png(out / "plots" / f"{name}.png"), name
+    rows = _rows(out, cfg)
+    for (m, b), ids in rows.items():
+        assert len(ids) == len(set(ids)) == cfg.eval_n, (m, b)
+    he = read_rows(out / "eval" / "cot" / "humaneval" / "results.jsonl")
+    assert all(r["split"] == "test" and r["id"].startswith("HumanEval/") for r in he)
+    md = (out / "summary.md").read_text()
+    for needle in ("## Data pools", "## Training", "## Main results", "| method | benchmark | split | n | accuracy",
+                   "## Ablation", "| variant |", "## Edit effects", "smollm2-135m", f"seed {cfg.seed}", "n = 2"):
+        assert needle in md, needle
+    assert (out / "train" / "grpo" / "adapter" / "adapter_config.json").exists()
+    assert read_rows(out / "train" / "grpo" / "metrics.jsonl")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["git"] and man["data"] and man["policy"]["sha256"] and man["seeds"]["study"] == cfg.seed
+
+    # a rerun of the evaluation notebooks resumes: no duplicate rows, no retraining, far less time
+    for nb in ("03_ablations", "04_evaluate"):
+        (out / ".done" / f"{nb}.json").unlink()
+    before = json.loads((out / "timings.json").read_text())
+    t0 = time.perf_counter()
+    study.run_study("smoke", out, log_output=False)
+    again = time.perf_counter() - t0
+    assert _rows(out, cfg) == rows
+    assert again < 0.5 * (before["03_ablations"] + before["04_evaluate"]), (again, before)
+
+    # nbval (lax) re-executes the executed notebooks: every cell must run again without error (and resume, again)
+    r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-q",
+                        *map(str, executed)], cwd=out, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert _rows(out, cfg) == rows

@@ -1,0 +1,264 @@
+"""The study runner and its tables, fast: presets, out-dir / resume logic, the papermill loop (faked), summary tables and the
+Pareto front from hand-made rows, and resumable evaluation / edit effects on a fake worker pool."""
+import ast
+import dataclasses
+import json
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+from lemon import benchmarks as B
+from lemon import plots, study
+from lemon.prompts import CAPACITIES, default_prompts
+from lemon.workers import FakeBackend, WorkerPool
+
+SPEC = """agents:
+  - id: solve
+    base_role: solver
+    role: Careful solver
+    duty: Solve the problem step by step and give the number.
+    capacity: small
+  - id: check
+    base_role: verifier
+    role: Checker
+    duty: Re-derive the result and state the final answer.
+    capacity: medium
+    depends_on: [solve]
+final: check
+"""
+
+
+def fake_pool(reply="The answer is 3.\nAnswer: 3"):
+    def r(messages, params):
+        return SPEC if "design" in messages[0]["content"].lower() else reply
+    b = FakeBackend(r, model="fake")
+    return WorkerPool({c: b for c in CAPACITIES})
+
+
+# ---- config ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", study.PROFILES)
+def test_presets_build_and_reference_training_presets(profile):
+    cfg = study.study_preset(profile, seed=3)
+    assert cfg.profile == cfg.train.profile == profile and cfg.seed == cfg.train.seed == cfg.sft.seed == 3
+    assert set(cfg.benchmarks) == set(B.BENCHMARKS)
+    assert {"vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random", "prompted", "lemon"} <= set(cfg.eval_methods)
+    assert {"global", "full", "edge", "role", "capacity"} <= set(cfg.ablation_variants)
+    json.dumps(cfg.to_dict(), default=str)
+
+
+def test_smoke_is_sized_for_ci():
+    cfg = study.study_preset("smoke")
+    assert cfg.eval_n == 2 and "humaneval" in cfg.benchmarks
+    assert cfg.train.policy.model == "smollm2-135m" and set(cfg.eval_max_tokens.values()) == {32}
+    assert cfg.train.max_steps <= 2 and cfg.ablation_steps <= 2
+    assert study.study_preset("paper").eval_n is None  # the whole eval pools
+
+
+def test_every_field_has_a_docstring():
+    src = inspect.getsource(study.StudyConfig)
+    body = ast.parse(src).body[0].body
+    fields = {f.name for f in dataclasses.fields(study.StudyConfig)}
+    documented = {n.target.id for n, d in zip(body, body[1:]) if isinstance(n, ast.AnnAssign)
+                  and isinstance(d, ast.Expr) and isinstance(d.value, ast.Constant)}
+    assert fields == documented
+
+
+@pytest.mark.parametrize("bad, match", [({"eval_methods": ("cot", "magic")}, "magic"),
+                                        ({"ablation_variants": ("nope",)}, "nope"),
+                                        ({"eval_n": 1, "edit_n": 2}, "edit_n"),
+                                        ({"benchmarks": ("gsm9k",)}, "gsm9k"),
+                                        ({"n_agents": 2}, "tree"),
+                                        ({"eval_max_tokens": {"huge": 3}}, "huge")])
+def test_bad_configs_are_refused_with_the_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        study.study_preset("smoke", **bad)
+
+
+# ---- out dir / resume ------------------------------------------------------------------------------------------------
+def test_resolve_out_dir(tmp_path):
+    new = study.resolve_out_dir("cpu", root=tmp_path)
+    assert new.parent == tmp_path / "outputs" and new.name.startswith("cpu-")
+    with pytest.raises(FileNotFoundError, match="no earlier cpu study"):
+        study.resolve_out_dir("cpu", resume=True, root=tmp_path)
+    for name in ("cpu-20260101-000000", "cpu-20261130-120000", "cpu-custom", "smoke-20270101-000000"):
+        (tmp_path / "outputs" / name).mkdir(parents=True)
+    assert study.resolve_out_dir("cpu", resume=True, root=tmp_path).name == "cpu-20261130-120000"
+    assert study.resolve_out_dir("cpu", tmp_path / "mine", resume=True, root=tmp_path) == (tmp_path / "mine").resolve()
+
+
+def test_a_folder_keeps_its_config(tmp_path):
+    paths = study.StudyPaths(tmp_path)
+    study.write_config(study.study_preset("smoke"), paths)
+    study.write_config(study.study_preset("smoke"), paths)  # same config: fine
+    with pytest.raises(ValueError, match="different config"):
+        study.write_config(study.study_preset("smoke", seed=1), paths)
+
+
+def test_missing_inputs_name_the_notebook(tmp_path):
+    cfg, paths = study.study_preset("smoke"), study.StudyPaths(tmp_path)
+    with pytest.raises(FileNotFoundError, match="01_prepare_data"):
+        study.load_samples(cfg, paths)
+    with pytest.raises(FileNotFoundError, match="02_train_grpo_lora"):
+        study.train_variant(cfg, paths, "global", default_prompts(), pool=None)
+
+
+def _fake_papermill(monkeypatch, fail_in=None):
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+    calls = []
+
+    def fake(src, dst, parameters=None, kernel_name=None, **kw):
+        calls.append(Path(src).stem)
+        assert kernel_name == "python3" and set(parameters) == {"profile", "out_dir", "seed"}
+        if Path(src).stem == fail_in:
+            raise PapermillExecutionError(3, 4, "x = 1/0", "ZeroDivisionError", "division by zero", [])
+        Path(dst).write_text("{}")
+    monkeypatch.setattr(papermill, "execute_notebook", fake)
+    return calls
+
+
+def test_run_study_skips_finished_notebooks_and_names_a_failing_cell(tmp_path, monkeypatch, capsys):
+    calls = _fake_papermill(monkeypatch, fail_in="03_ablations")
+    with pytest.raises(SystemExit) as e:
+        study.run_study("smoke", tmp_path / "s", log_output=False)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "03_ablations.ipynb, cell 3" in err and "ZeroDivisionError: division by zero" in err and "--out" in err
+    assert calls == ["01_prepare_data", "02_train_grpo_lora", "03_ablations"]
+    calls2 = _fake_papermill(monkeypatch)
+    out = study.run_study("smoke", tmp_path / "s", log_output=False)  # resume: 01 and 02 are done
+    assert calls2 == ["03_ablations", "04_evaluate"]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["git"] and man["seeds"]["study"] == 0 and man["workers"]["small"]["sha256"]
+    assert man["policy"]["sha256"] and any(k.endswith("gsm8k/test.jsonl") for k in man["data"])
+    assert (out / "summary.md").exists() and (out / "timings.json").exists()
+    calls3 = _fake_papermill(monkeypatch)
+    study.run_study("smoke", tmp_path / "s", log_output=False)
+    assert calls3 == []
+
+
+def test_cli_main_rejects_conflicting_config(tmp_path, monkeypatch, capsys):
+    _fake_papermill(monkeypatch)
+    assert study.main(["--profile", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
+    assert study.main(["--profile", "smoke", "--out", str(tmp_path), "--seed", "5", "--quiet"]) == 2
+    assert "different config" in capsys.readouterr().err
+
+
+# ---- tables ----------------------------------------------------------------------------------------------------------
+def test_pareto_front():
+    assert plots.pareto_front([10, 20, 30, 15], [0.5, 0.7, 0.6, 0.5]) == [True, True, False, False]
+    assert plots.pareto_front([1, 1], [0.2, 0.2]) == [True, True]  # ties dominate nobody
+    assert plots.pareto_front([], []) == []
+
+
+def _row(i, method, bench, correct, tokens):
+    return {"id": f"{bench}/{i}", "method": method, "benchmark": bench, "split": B.POOL_SPLITS["eval"][bench],
+            "correct": correct, "score": float(correct), "tokens": tokens, "nominal_tokens": tokens, "latency_s": 0.1,
+            "orchestrator_tokens": 7, "spec": None, "spec_error": None, "error": None}
+
+
+def _write(path, rows):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_tables_and_summary_from_results(tmp_path):
+    cfg = study.study_preset("smoke")
+    paths = study.StudyPaths(tmp_path)
+    study.write_config(cfg, paths)
+    for m, acc, tok in (("cot", [1, 0], 100), ("chain", [1, 1], 400), ("lemon", [1, 1], 150)):
+        for b in ("gsm8k", "mmlu"):
+            _write(paths.eval_dir(m, b), [_row(i, m, b, bool(c), tok) for i, c in enumerate(acc)])
+    for v, acc in (("global", [0]), ("full", [1])):
+        _write(paths.variant(v) / "eval" / "gsm8k", [_row(0, v, "gsm8k", bool(acc[0]), 90)])
+    paths.edits.parent.mkdir(parents=True, exist_ok=True)
+    paths.edits.write_text("".join(json.dumps({"family": f, "benchmark": "gsm8k", "d_score": d, "d_tokens": t}) + "\n"
+                                   for f, d, t in (("edge", -1.0, -50), ("edge", 0.0, -30), ("capacity", 0.0, -80))))
+    t = plots.eval_table(paths.root, cfg.eval_methods, cfg.benchmarks)
+    assert len(t) == 6 and set(t.method) == {"cot", "chain", "lemon"}
+    cot = t[(t.method == "cot") & (t.benchmark == "gsm8k")].iloc[0]
+    assert cot.n == 2 and cot.accuracy == 0.5 and cot.ci_lo < 0.5 < cot.ci_hi and cot.split == "test"
+    s = plots.method_summary(t).set_index("method")
+    assert s.loc["lemon", "pareto"] and s.loc["cot", "pareto"] and not s.loc["chain", "pareto"]
+    a = plots.ablation_table(paths.root, cfg.ablation_variants, cfg.ablation_benchmarks)
+    assert list(a.variant) == ["global", "full"] and list(a["gsm8k acc"]) == [0.0, 1.0]
+    e = plots.edit_table(study.read_rows(paths.edits)).set_index("family")
+    assert e.loc["edge", "edits"] == 2 and e.loc["edge", "d_accuracy"] == -0.5 and e.loc["capacity", "d_tokens"] == -80
+    md = plots.write_summary(cfg, paths).read_text()
+    for needle in ("## Main results", "| method | benchmark | split | n | accuracy", "0.500 [", "## Ablation",
+                   "| variant |", "## Edit effects", "seed 0", "smollm2-135m", "gsm8k test", "mmlu validation"):
+        assert needle in md, needle
+    for fig in (plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a), plots.edit_heatmap(
+            plots.edit_table(study.read_rows(paths.edits)))):
+        p = plots.save(fig, tmp_path / "p.png")
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_read_metrics_keeps_the_last_of_repeated_steps(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in ({"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2},
+                                                        {"step": 2, "reward": 0.3}, {"step": 2, "train_runtime": 9})))
+    m = plots.read_metrics(p)
+    assert list(m.step) == [1, 2] and list(m.reward) == [0.1, 0.3]
+    plots.save(plots.training_curves(m, [1.0, 0.5]), tmp_path / "c.png")
+
+
+def test_gallery_falls_back_to_yaml_without_widgets(monkeypatch):
+    from lemon.spec import parse_spec
+    monkeypatch.setitem(sys.modules, "lemon.widgets", None)  # import fails
+    spec = parse_spec(SPEC)
+    [(title, shown)] = plots.spec_gallery([("t", spec)])
+    assert title == "t" and "agents:" in shown
+
+
+# ---- data, evaluation and edit effects on a fake pool ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    cfg = study.study_preset("smoke", eval_n=2, edit_n=1)
+    paths = study.StudyPaths(tmp_path_factory.mktemp("study"))
+    study.write_config(cfg, paths)
+    return cfg, paths, study.prepare_data(cfg, paths)
+
+
+def test_prepare_data_writes_disjoint_pools_and_samples(prepared):
+    cfg, paths, res = prepared
+    tr, ev = (json.loads((paths.data / f).read_text()) for f in ("train_ids.json", "eval_ids.json"))
+    for b in B.BENCHMARKS:
+        assert tr[b] and ev[b] and not set(tr[b]) & set(ev[b])
+        assert res["checks"][b]["text_overlap"] == 0
+    s = json.loads(paths.samples.read_text())
+    assert all(len(v) == 2 and set(v) <= set(ev[b]) for b, v in s["eval"].items())
+    assert all(s["edit"][b] == s["eval"][b][:1] for b in s["edit"])  # prefixes: the same questions, fewer
+    assert len(tr["humaneval"]) == 40 and len(ev["humaneval"]) == 124 and len(ev["mmlu"]) == 1531
+    assert {r["pool"] for r in res["stats"]} == {"train", "eval"}
+
+
+def test_evaluate_resumes_without_duplicate_rows(prepared):
+    cfg, paths, _ = prepared
+    pool, prompts = fake_pool(), default_prompts()
+    ex = {b: v for b, v in study.load_samples(cfg, paths).items() if b in ("gsm8k", "multiarith")}
+    for method in ("cot", "prompted"):
+        s1 = study.evaluate(cfg, paths, method, ex, pool, prompts, progress=False)
+        s2 = study.evaluate(cfg, paths, method, ex, pool, prompts, progress=False)
+        assert [s["n"] for s in s1] == [s["n"] for s in s2] == [2, 2]
+        for b in ex:
+            assert len(study.read_rows(paths.eval_dir(method, b) / "results.jsonl")) == 2
+    rows = study.read_rows(paths.eval_dir("prompted", "gsm8k") / "results.jsonl")
+    assert all(r["spec"] and not r["spec_error"] for r in rows)
+    gen = study.generated_specs(cfg, paths, prompts)
+    assert gen and gen[0]["spec"] is not None and gen[0]["method"] == "prompted"
+    with pytest.raises(ValueError, match="adapter"):
+        study.evaluate(cfg, paths, "lemon", ex, pool, prompts)
+
+
+def test_edit_effects_rows_and_resume(prepared):
+    cfg, paths, _ = prepared
+    pool, prompts = fake_pool(), default_prompts()
+    rows = study.edit_effects(cfg, paths, prompts, pool, progress=False)
+    assert rows and {r["family"] for r in rows} <= {"edge", "role", "capacity"}
+    assert all(r["split"] == B.POOL_SPLITS["eval"][r["benchmark"]] for r in rows)
+    assert all(r["d_score"] == r["score_edit"] - r["score_orig"] and r["spec"] != r["edited_spec"] for r in rows)
+    again = study.edit_effects(cfg, paths, prompts, pool, progress=False)
+    assert len(again) == len(rows) == len(study.read_rows(paths.edits))
