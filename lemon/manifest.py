@@ -2,7 +2,6 @@
 seeds, package versions). Written as `manifest.json` next to every results file."""
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import subprocess
@@ -11,7 +10,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from .models import SHIPPED
+from .models import SHIPPED, file_sha256
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "llama_cpp_python", "openai", "PyYAML")
 
@@ -26,14 +25,6 @@ def git_sha(repo: Path | None = None) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (sha or "unknown") + ("+dirty" if dirty else "")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def versions() -> dict[str, str]:

@@ -85,7 +85,7 @@ def _locate(dist: str, rel: str) -> Path:
     return p
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -112,7 +112,7 @@ def get_model(name: str, directory: Path | None = None) -> Path:
     if len(parts) == 1:  # single-file model: use it where pip put it, but still check the digest once
         target, marker = parts[0], (directory or cache_dir()) / f"{m.filename}.sha256-ok"
         if not (marker.exists() and marker.read_text() == f"{m.sha256} {target.stat().st_size}"):
-            if _sha256(target) != m.sha256:
+            if file_sha256(target) != m.sha256:
                 raise ModelChecksumError(f"{target} has the wrong sha256 (expected {m.sha256}); reinstall {m.files[0][0]}")
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{m.sha256} {target.stat().st_size}")

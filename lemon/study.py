@@ -474,7 +474,8 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
         try:
             pm.execute_notebook(str(src), str(paths.root / f"{nb}.ipynb"), kernel_name="python3", cwd=str(ROOT),
                                 parameters={"profile": profile, "out_dir": str(paths.root), "seed": seed},
-                                log_output=log_output, progress_bar=False)
+                                progress_bar=False, stdout_file=sys.stdout if log_output else None,
+                                stderr_file=sys.stderr if log_output else None)
         except PapermillExecutionError as e:
             print(f"\nstudy FAILED in notebook {nb}.ipynb, cell {e.cell_index} (execution count {e.exec_count}): "
                   f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"

@@ -12,7 +12,7 @@ def test_shipped_models_assemble_and_verify(name, tmp_path):
     assert p.is_file() and p.read_bytes()[:4] == b"GGUF"
     assert M.get_model(name, directory=tmp_path) == p  # second call reuses
     if len(M.SHIPPED[name].files) > 1:
-        assert M._sha256(p) == M.SHIPPED[name].sha256
+        assert M.file_sha256(p) == M.SHIPPED[name].sha256
         assert not list(tmp_path.glob("*.part"))  # no temp leftovers
 
 

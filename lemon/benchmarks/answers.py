@@ -80,26 +80,26 @@ def canonical_number(value: Fraction) -> str:
     return f"{value.numerator}/{value.denominator}"
 
 
-def _first_number(segment: str) -> Fraction | None:
-    segment = segment.replace("\\$", "").replace("$", "")
-    for m in _NUMBER_RE.finditer(segment):
+def _numbers(text: str):
+    """Every parseable number in the text, in order (dollar signs and thousands separators dropped)."""
+    text = text.replace("\\$", "").replace("$", "")
+    for m in _NUMBER_RE.finditer(text):
         token = re.sub(r"\s+", "", m.group(0)).replace(",", "")
         try:
-            return Fraction(token)
+            yield Fraction(token)
         except (ValueError, ZeroDivisionError):
             continue
-    return None
+
+
+def _first_number(segment: str) -> Fraction | None:
+    return next(_numbers(segment), None)
 
 
 def _last_number(text: str) -> Fraction | None:
-    text = text.replace("\\$", "").replace("$", "")
-    for m in reversed(list(_NUMBER_RE.finditer(text))):
-        token = re.sub(r"\s+", "", m.group(0)).replace(",", "")
-        try:
-            return Fraction(token)
-        except (ValueError, ZeroDivisionError):
-            continue
-    return None
+    last = None
+    for last in _numbers(text):
+        pass
+    return last
 
 
 def _segments_after(pattern: re.Pattern, text: str) -> list[str]:
