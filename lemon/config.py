@@ -85,8 +85,8 @@ def train_preset(profile: str, **overrides) -> TrainConfig:
         cfg = TrainConfig(profile="smoke", policy=PolicyConfig(model="smollm2-135m", lora_r=8, lora_alpha=16),
                           workers={c: {"backend": "llama_cpp", "model": "smollm2-135m"} for c in ("small", "medium", "large")},
                           train_questions=2, num_generations=2, batch_size=2, max_steps=2, max_completion_length=200,
-                          max_agents=3, worker_max_tokens={"small": 32, "medium": 32, "large": 32}, save_steps=1,
-                          learning_rate=1e-4)
+                          max_agents=3, worker_max_tokens={"small": 16, "medium": 24, "large": 32}, save_steps=1,
+                          learning_rate=1e-4, temperature=0.6)  # a 135M policy at T=1 writes almost no valid spec
     elif profile == "cpu":
         # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, sized from measured step times.
         cfg = TrainConfig(profile="cpu")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +158,8 @@ class CFGRPOTrainer(GRPOTrainer):
         m["tokens/cf_spent"].append(sum(r.cf_tokens_spent for r in recs))
         m["tokens/cf_nominal"].append(sum(r.cf_tokens_nominal for r in recs))
         m["cf/edits"].append(sum(1 for r in recs if r.family))
+        for code, k in Counter(r.error for r in recs if not r.valid).items():  # why rollouts were invalid
+            m[f"spec/invalid_{code}"].append(k / len(recs))
         per = defaultdict(list)
         for r in recs:
             if r.family:
@@ -166,9 +168,11 @@ class CFGRPOTrainer(GRPOTrainer):
             m[f"cf/prob_{f}"].append(self.rewarder.sampler.probs()[f])
             if per[f]:
                 m[f"cf/delta_{f}"].append(sum(per[f]) / len(per[f]))
-        stats = self.rewarder.cache.stats()
-        m["cache/hits"].append(stats.get("hits", 0))
-        m["cache/misses"].append(stats.get("misses", 0))
+        stats = self.rewarder.cache.stats()  # cumulative counters -> this step's hits and misses
+        prev = getattr(self, "_cache_prev", {"hits": 0, "misses": 0})
+        m["cache/hits"].append(stats.get("hits", 0) - prev["hits"])
+        m["cache/misses"].append(stats.get("misses", 0) - prev["misses"])
+        self._cache_prev = {"hits": stats.get("hits", 0), "misses": stats.get("misses", 0)}
 
 
 class CFStateCallback(TrainerCallback):

@@ -196,11 +196,19 @@ def write_config(cfg: StudyConfig, paths: StudyPaths) -> None:
     paths.root.mkdir(parents=True, exist_ok=True)
     new = json.loads(json.dumps(cfg.to_dict(), default=str))
     p = paths.root / "config.json"
-    if p.exists() and json.loads(p.read_text()) != new:
-        raise ValueError(f"{paths.root} holds a study with a different config (profile/seed/code changed); resume it with the "
-                         f"same one or choose another --out")
+    old = json.loads(p.read_text()) if p.exists() else new
+    if old != new:
+        diff = sorted(_diff(old, new))
+        raise ValueError(f"{paths.root} holds a study with a different config ({'; '.join(diff[:6])}); resume it with the "
+                         f"same profile, seed and code, or choose another --out")
     if not p.exists():
         write_json(p, new)
+
+
+def _diff(a, b, pre=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in a.keys() | b.keys() for d in _diff(a.get(k), b.get(k), f"{pre}{k}.")]
+    return [] if a == b else [f"{pre[:-1]}: {a!r} -> {b!r}"]
 
 
 # ---- samples (notebook 01 writes them, the others read them) ---------------------------------------------------------

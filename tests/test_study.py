@@ -51,7 +51,7 @@ def test_presets_build_and_reference_training_presets(profile):
 def test_smoke_is_sized_for_ci():
     cfg = study.study_preset("smoke")
     assert cfg.eval_n == 2 and "humaneval" in cfg.benchmarks
-    assert cfg.train.policy.model == "smollm2-135m" and set(cfg.eval_max_tokens.values()) == {32}
+    assert cfg.train.policy.model == "smollm2-135m" and max(cfg.eval_max_tokens.values()) <= 32
     assert cfg.train.max_steps <= 2 and cfg.ablation_steps <= 2
     assert study.study_preset("paper").eval_n is None  # the whole eval pools
 
@@ -92,7 +92,7 @@ def test_a_folder_keeps_its_config(tmp_path):
     paths = study.StudyPaths(tmp_path)
     study.write_config(study.study_preset("smoke"), paths)
     study.write_config(study.study_preset("smoke"), paths)  # same config: fine
-    with pytest.raises(ValueError, match="different config"):
+    with pytest.raises(ValueError, match=r"different config \(seed: 0 -> 1"):
         study.write_config(study.study_preset("smoke", seed=1), paths)
 
 
