@@ -70,8 +70,9 @@ class SpecRewarder:
         self._key = None
 
     # TRL calls each reward function in turn with the same batch; the first call does the work, the others read it.
-    def _ensure(self, completions, example_id, completion_ids) -> list[Rollout]:
-        key = (tuple(_text(c) for c in completions), tuple(example_id))
+    def _ensure(self, completions, example_id, completion_ids, trainer_state=None) -> list[Rollout]:
+        step = getattr(trainer_state, "global_step", None)  # identical completions in a later step are a new batch
+        key = (step, tuple(_text(c) for c in completions), tuple(example_id))
         if key != self._key:
             self.batch = [self._one(_text(c), eid, ids) for c, eid, ids in zip(completions, example_id, completion_ids)]
             self._key = key
@@ -100,23 +101,29 @@ class SpecRewarder:
         self.sampler.update(edit.family, out.delta)
         # map the edited value's characters onto the SAMPLED token ids (decoded exactly as TRL decoded them)
         ids = list(ids)
-        offsets = token_char_offsets(ids, lambda x: self.tok.decode(x, skip_special_tokens=True))
-        out.span_positions = tuple(i for i, m in enumerate(span_token_mask(offsets, [edit.span])) if m)
+        decode = lambda x: self.tok.decode(x, skip_special_tokens=True)  # noqa: E731  (exactly as TRL decodes)
+        shift = len(text) - len(decode(ids))  # TRL may prepend an assistant "bootstrap" prefix to the decoded ids
+        if shift < 0 or not text.endswith(decode(ids)):
+            out.span_positions = ()  # ids and text disagree: no safe mapping, so no CF term rather than a wrong one
+            return out
+        offsets = token_char_offsets(ids, decode)
+        span = (edit.span[0] - shift, edit.span[1] - shift)
+        out.span_positions = tuple(i for i, m in enumerate(span_token_mask(offsets, [span])) if m)
         return out
 
     # ---- the four reward functions (their names become TRL's log keys) ---------------------------------------------
     def functions(self):
-        def success(completions, example_id, completion_ids, **kw):
-            return [r.reward.success for r in self._ensure(completions, example_id, completion_ids)]
+        def success(completions, example_id, completion_ids, trainer_state=None, **kw):
+            return [r.reward.success for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
 
-        def token_efficiency(completions, example_id, completion_ids, **kw):
-            return [r.reward.token_efficiency for r in self._ensure(completions, example_id, completion_ids)]
+        def token_efficiency(completions, example_id, completion_ids, trainer_state=None, **kw):
+            return [r.reward.token_efficiency for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
 
-        def graph_cost(completions, example_id, completion_ids, **kw):
-            return [r.reward.graph_cost for r in self._ensure(completions, example_id, completion_ids)]
+        def graph_cost(completions, example_id, completion_ids, trainer_state=None, **kw):
+            return [r.reward.graph_cost for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
 
-        def invalid(completions, example_id, completion_ids, **kw):
-            return [0.0 if r.valid else r.reward.total for r in self._ensure(completions, example_id, completion_ids)]
+        def invalid(completions, example_id, completion_ids, trainer_state=None, **kw):
+            return [0.0 if r.valid else r.reward.total for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
 
         c = self.reward_cfg
         return [success, token_efficiency, graph_cost, invalid], [c.w_success, c.w_tokens, -c.w_graph, 1.0]
