@@ -51,10 +51,11 @@ def read_metrics(path: Path) -> pd.DataFrame:
 def training_curves(m: pd.DataFrame, sft_loss: list[float] | None = None):
     """Reward and its terms, valid-spec rate, worker / CF tokens, CF delta per family, family probabilities, SFT loss."""
     plt, sns = _plt()
+    from matplotlib.ticker import MaxNLocator
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     panels = [("reward and its terms", ["reward", "rewards/success/mean", "rewards/token_efficiency/mean",
                                         "rewards/graph_cost/mean", "rewards/invalid/mean"]),
-              ("valid-spec rate", ["spec/valid_rate"]), ("worker tokens per step", ["tokens/worker_spent", "tokens/cf_spent",
+              ("valid-spec rate (and why invalid)", ["spec/valid_rate", *sorted(c for c in m.columns if c.startswith("spec/invalid_"))]), ("worker tokens per step", ["tokens/worker_spent", "tokens/cf_spent",
                                                                                      "tokens/cf_nominal"]),
               ("CF delta = R(orig) - R(edit)", [f"cf/delta_{f}" for f in FAMILY_LABEL]),
               ("edit-family probability", [f"cf/prob_{f}" for f in FAMILY_LABEL])]
@@ -67,6 +68,7 @@ def training_curves(m: pd.DataFrame, sft_loss: list[float] | None = None):
         else:
             ax.text(0.5, 0.5, "not logged yet", ha="center", transform=ax.transAxes)
         ax.set_title(title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax = axes.flat[5]
     if sft_loss:
         sns.lineplot(x=range(1, len(sft_loss) + 1), y=sft_loss, marker="o", ax=ax)
@@ -92,6 +94,14 @@ def eval_table(root: Path, methods, benchmarks, sub=lambda root, m, b: Path(root
     return pd.DataFrame(out)
 
 
+def wide_table(t: pd.DataFrame, methods, benchmarks) -> pd.DataFrame:
+    """Methods x benchmarks, each cell 'accuracy [CI] · tokens'; headers name the split and n."""
+    cell = {(r.method, r.benchmark): f"{r.accuracy:.2f} [{r.ci_lo:.2f}, {r.ci_hi:.2f}] · {r.tokens:.0f}" for r in t.itertuples()}
+    head = {b: f"{b} ({g.split.iloc[0]}, n={'/'.join(map(str, sorted(set(g.n))))})" for b, g in t.groupby("benchmark")}
+    return pd.DataFrame([{"method": m, **{head[b]: cell.get((m, b), "-") for b in benchmarks if b in head}}
+                         for m in methods if m in set(t.method)])
+
+
 def pareto_front(costs, accs) -> list[bool]:
     """True where no other point has cost <= and accuracy >= with one of them strict (lower cost, higher accuracy wins)."""
     pts = list(zip(costs, accs))
@@ -101,7 +111,8 @@ def pareto_front(costs, accs) -> list[bool]:
 def method_summary(t: pd.DataFrame) -> pd.DataFrame:
     """Per method: macro-average accuracy over benchmarks, mean worker tokens, total n, and whether it is Pareto-optimal."""
     g = t.groupby("method", sort=False).agg(accuracy=("accuracy", "mean"), tokens=("tokens", "mean"), n=("n", "sum"),
-                                            benchmarks=("benchmark", "count")).reset_index()
+                                            benchmarks=("benchmark", "count"),
+                                            orchestrator_tokens=("orchestrator_tokens", "mean")).reset_index()
     g["pareto"] = pareto_front(g["tokens"].tolist(), g["accuracy"].tolist())
     return g
 
@@ -143,11 +154,13 @@ def edit_table(rows: list[dict]) -> pd.DataFrame:
 
 def edit_heatmap(e: pd.DataFrame):
     plt, sns = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 3.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 3.6))
     for ax, (col, fmt, cmap) in zip(axes, (("d_accuracy", ".2f", "RdBu"), ("d_tokens", ".0f", "RdBu_r"))):
         piv = e.pivot(index="family", columns="benchmark", values=col) if len(e) else pd.DataFrame()
-        if len(piv):
-            sns.heatmap(piv, annot=True, fmt=fmt, cmap=cmap, center=0, ax=ax)
+        if len(piv):  # symmetric colour scale around 0 (score deltas live in [-1, 1])
+            lim = 1.0 if col == "d_accuracy" else max(1.0, float(piv.abs().max().max()))
+            sns.heatmap(piv, annot=True, fmt=fmt, cmap=cmap, vmin=-lim, vmax=lim, ax=ax)
+            ax.tick_params(axis="y", rotation=0)
         ax.set_title(f"{col} (edited - original)")
     fig.tight_layout()
     return fig
@@ -229,18 +242,19 @@ def write_summary(cfg, paths) -> Path:
                f"Seed {cfg.train.seed}; {models}.", ""]
     t = eval_table(root, cfg.eval_methods, cfg.benchmarks)
     if not t.empty:
-        show = t.assign(accuracy=[f"{a:.3f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(t.accuracy, t.ci_lo, t.ci_hi)])
         md += ["## Main results (notebook 04)", "",
-               f"Accuracy [95% Wilson CI] and mean worker tokens per question on the EVAL pools ({splits}); "
-               f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}); baselines at capacity "
-               f"`{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); {models}.", "",
-               md_table(show[["method", "benchmark", "split", "n", "accuracy", "tokens", "invalid_specs"]], "{:.1f}"), "",
-               "Macro average over benchmarks (Pareto = no method is both cheaper and more accurate):", "",
-               md_table(method_summary(t)), ""]
+               f"Accuracy [95% Wilson CI] · mean worker tokens per question, on the EVAL pools ({splits}); "
+               f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}; a column header gives split and n); "
+               f"baselines at capacity `{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); "
+               f"`prompted` = the untrained orchestrator ({cfg.orchestrator_capacity} worker writes the spec), `lemon` = the "
+               f"trained policy; {models}.", "", md_table(wide_table(t, cfg.eval_methods, cfg.benchmarks)), "",
+               f"Macro average over the {len(cfg.benchmarks)} benchmarks (n = questions in all; orchestrator_tokens = tokens "
+               "the orchestrator spent writing specs, not counted in `tokens`; Pareto = no other method is both cheaper and "
+               "more accurate):", "", md_table(method_summary(t)), ""]
     a = ablation_table(root, cfg.ablation_variants, cfg.ablation_benchmarks)
     if not a.empty:
         md += ["## Ablation: training variants (notebook 03, paper Table 2 shape)", "",
-               f"Each variant: {cfg.ablation_steps} CF-GRPO steps from the same SFT warm start (seed {cfg.train.seed}); "
+               f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start (seed {cfg.train.seed}); "
                f"evaluated on n = {cfg.ablation_n} EVAL-pool questions per benchmark "
                f"({', '.join(b + ' ' + B.POOL_SPLITS['eval'][b] for b in cfg.ablation_benchmarks)}); "
                f"{models}.", "", md_table(a), ""]
@@ -250,9 +264,12 @@ def write_summary(cfg, paths) -> Path:
                f"Mean change when one edit is applied to a held-out spec (edited minus original; score and nominal worker "
                f"tokens), on n = {cfg.edit_n} EVAL-pool question(s) per benchmark x {cfg.edit_specs} mutated-baseline spec(s), "
                f"up to {cfg.edit_sites} site(s) per family (seed {cfg.seed}); {models}.", "", md_table(e), ""]
-    timings = root / "timings.json"
-    if timings.exists():
-        md += ["## Wall time (s per notebook, last execution)", "", "`" + timings.read_text().strip() + "`", ""]
+    if (root / "timings.json").exists():
+        tm = json.loads((root / "timings.json").read_text())
+        tm = {nb: v if isinstance(v, list) else [v] for nb, v in tm.items()}
+        md += ["## Wall time (notebook executions, seconds; a resumed notebook adds an execution)", "",
+               md_table(pd.DataFrame([{"notebook": nb, "executions": " + ".join(f"{x:.0f}" for x in v), "total_s": sum(v)}
+                                      for nb, v in tm.items()]), "{:.0f}"), ""]
     p = root / "summary.md"
     p.write_text("\n".join(md) + "\n")
     return p

@@ -63,7 +63,7 @@ class StudyConfig:
     orchestrator_capacity: str = "large"
     """Which worker writes the prompted orchestrator's spec."""
     orchestrator_max_tokens: int = 320
-    """Spec length cap of the prompted and the trained orchestrator."""
+    """Spec length cap of the prompted orchestrator (the trained one keeps train.max_completion_length)."""
     eval_max_tokens: dict = field(default_factory=lambda: {"small": 192, "medium": 256, "large": 320})
     """Per-capacity cap on each agent's reply in notebooks 03/04."""
     edit_n: int = 1
@@ -111,19 +111,28 @@ class StudyConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def describe(self) -> str:
+        """One line per field (train / sft nested one level), for the notebooks' config cell."""
+        flat = lambda d, pre="": [f"{pre}{k} = {v!r}" for k, v in d.items()]  # noqa: E731
+        d = self.to_dict()
+        return "\n".join([*flat({k: v for k, v in d.items() if k not in ("train", "sft")}), *flat(d["train"], "train."),
+                          *flat(d["sft"], "sft.")])
+
 
 def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
     """The study of a profile; `overrides` replace StudyConfig fields."""
     train, sft = train_preset(profile, seed=seed), sft_preset(profile, seed=seed)
-    if profile == "smoke":  # CI: 135M everywhere, 2 questions per benchmark, 1-step variants. Measured: see LOG.md.
+    if profile == "smoke":
+        # CI: 135M everywhere, 2 questions per benchmark, 1-step variants (global, full, edge). Measured on 2 lightly loaded
+        # cores (2026-11-30): 01 3 s, 02 375 s (SFT ~5 min, CF-GRPO 21 s/step), 03 181 s, 04 498 s; total 17.7 min.
+        # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
         cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, eval_max_tokens=dict(train.worker_max_tokens),
-                          ablation_benchmarks=("gsm8k",), ablation_n=1)
+                          ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
     elif profile == "cpu":
-        # Embedded default, 2 cores; ESTIMATE (to be measured), from llama.cpp ~60/30/15 tok/s (135M/0.5B/1.5B), 0.5B policy
-        # generation ~6 tok/s and a CF-GRPO step of a few minutes: 01 ~1 min; 02 SFT on 8 questions ~12 min + 4 GRPO steps
-        # ~16 min; 03 edit effects (6 questions) ~6 min + 5 variants x 1 step ~20 min + their evals (2 questions each) ~12 min;
-        # 04 baselines 7 x 6 x 2 questions (medium workers, 3 agents, k=3) ~33 min + prompted ~10 min + LEMON ~14 min.
-        # Total ~2 h.
+        # Embedded default on 2 cores. ESTIMATE, not yet measured (llama.cpp ~60/30/15 tok/s for 135M/0.5B/1.5B, 0.5B policy
+        # generation ~6 tok/s, a CF-GRPO step with the 0.5B policy ~4 min): 01 <1 min; 02 ~38 min (SFT corpus on 8
+        # questions ~12, valid-rate probes ~7, SFT ~3, 4 GRPO steps ~16); 03 ~40 min (edit effects ~9, 5 variants x 1 step
+        # ~20, their evals ~12); 04 ~50 min (baselines 7 x 6 x 2 questions ~29, prompted ~10, LEMON ~14). Total ~2 h.
         cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed)
     elif profile == "paper":  # one GPU + vLLM workers: full eval pools, Table-2 ablation at 300 steps on 200 MMLU / GSM8K questions
         cfg = StudyConfig("paper", train, sft, seed=seed, eval_n=None, n_agents=4, sc_k=5, orchestrator_max_tokens=1024,
@@ -168,17 +177,16 @@ class StudyPaths:
 
 
 def resolve_out_dir(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, root: Path = ROOT,
-                    create: bool = True) -> Path:
-    """`out_dir` when given; with `resume`, the newest outputs/<profile>-<timestamp>; else a new timestamped folder."""
+                    newest_ok: bool = False) -> Path:
+    """`out_dir` when given; with `resume` (or `newest_ok` and one exists) the newest outputs/<profile>-<timestamp>; else a
+    new timestamped folder (not created here)."""
     if out_dir:
         return Path(out_dir).resolve()
     runs = sorted(p for p in (root / "outputs").glob(f"{profile}-*") if re.fullmatch(rf"{profile}-\d{{8}}-\d{{6}}", p.name))
-    if resume:
-        if not runs:
-            raise FileNotFoundError(f"--resume: no earlier {profile} study under {root / 'outputs'}; run without --resume")
+    if runs and (resume or newest_ok):
         return runs[-1].resolve()
-    if not create:
-        return runs[-1].resolve() if runs else root / "outputs" / f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if resume:
+        raise FileNotFoundError(f"--resume: no earlier {profile} study under {root / 'outputs'}; run without --resume")
     return (root / "outputs" / f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
@@ -186,7 +194,7 @@ def setup(profile: str, out_dir: str, seed: int) -> tuple[StudyConfig, StudyPath
     """What every notebook's second cell calls: the config, the paths (out_dir '' = the newest study of this profile, or a
     new one), with the config checked against the one the study folder was started with."""
     cfg = study_preset(profile, seed=seed)
-    paths = StudyPaths(resolve_out_dir(profile, out_dir or None, create=False))
+    paths = StudyPaths(resolve_out_dir(profile, out_dir or None, newest_ok=True))
     write_config(cfg, paths)
     return cfg, paths
 
@@ -212,13 +220,6 @@ def _diff(a, b, pre=""):
 
 
 # ---- samples (notebook 01 writes them, the others read them) ---------------------------------------------------------
-def sample_ids(pool_ids: list[str], n: int | None, seed: int) -> list[str]:
-    """A seeded order of a pool's ids, cut to n; edit/ablation samples are prefixes of it (same questions, fewer)."""
-    ids = list(pool_ids)
-    random.Random(seed).shuffle(ids)
-    return ids if n is None else ids[:n]
-
-
 def load_samples(cfg: StudyConfig, paths: StudyPaths, which: str = "eval") -> dict[str, list]:
     """{benchmark: [Example]} of the eval sample written by notebook 01 ('eval', 'edit' or 'ablation')."""
     ids = json.loads(paths.require(paths.samples, "01_prepare_data").read_text())[which]
@@ -248,7 +249,9 @@ def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
         checks[b] = {"train": len(train[b]), "eval": len(ev[b]), "id_overlap": len(tid & eid), "text_overlap": len(ttx & etx)}
     all_t = {B.normalize_question(e.question) for x in train.values() for e in x}
     checks["cross_benchmark_text_overlap"] = sum(B.normalize_question(e.question) in all_t for x in ev.values() for e in x)
-    order = {b: sample_ids([e.id for e in ev[b]], None, cfg.seed) for b in cfg.benchmarks}
+    order = {b: [e.id for e in ev[b]] for b in cfg.benchmarks}  # a seeded order; every sample is a prefix of it
+    for ids in order.values():
+        random.Random(cfg.seed).shuffle(ids)
     cut = lambda n, bs: {b: order[b][:n] if n is not None else order[b] for b in bs}  # noqa: E731
     samples = {"eval": cut(cfg.eval_n, cfg.benchmarks), "edit": cut(cfg.edit_n, cfg.benchmarks),
                "ablation": cut(cfg.ablation_n, cfg.ablation_benchmarks), "seed": cfg.seed, "protocol": cfg.protocol}
@@ -289,7 +292,6 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
     ablations/edit_effects.jsonl (resumed by key); d_score / d_tokens = edited minus original."""
     from tqdm.auto import tqdm
     from .edits import apply_edit, eligible_sites
-    from .evaluate import _append
     from .executor import NodeCache, execute
     from .sft import mutated_baseline
     samples = load_samples(cfg, paths, "edit")
@@ -318,7 +320,8 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
                        "tokens_orig": orig.nominal_tokens, "tokens_edit": tr.nominal_tokens,
                        "d_score": tr.score - orig.score, "d_tokens": tr.nominal_tokens - orig.nominal_tokens,
                        "spec": spec.text, "edited_spec": e.text}
-                _append(paths.edits, row)
+                with open(paths.edits, "a") as f:
+                    f.write(json.dumps(row) + "\n")
                 rows.append(row)
     return rows
 
@@ -377,7 +380,8 @@ class LazyPolicyWriter:
             from .policy import load_policy
             model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
             model.eval()
-            self._w = PolicySpecWriter(model, tok, orch_config(self.cfg), self.name)
+            orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
+            self._w = PolicySpecWriter(model, tok, orch, self.name)
         return self._w.propose(*a, **kw)
 
     def close(self) -> None:
@@ -489,10 +493,12 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
                   f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"
                   f"  fix it and resume with: scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        timings[nb] = round(time.perf_counter() - t0, 1)
+        wall = round(time.perf_counter() - t0, 1)
+        prev = timings.get(nb) or []
+        timings[nb] = [*(prev if isinstance(prev, list) else [prev]), wall]  # one entry per execution
         write_json(paths.root / "timings.json", timings)
-        write_json(marker, {"key": key, "wall_s": timings[nb], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        print(f"[{nb}] done in {timings[nb]:.0f} s", flush=True)
+        write_json(marker, {"key": key, "wall_s": wall, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        print(f"[{nb}] done in {wall:.0f} s", flush=True)
     if set(NOTEBOOKS) <= {p.stem for p in paths.done.glob("*.json")}:
         write_summary(cfg, paths)
         print(f"summary: {paths.root / 'summary.md'}", flush=True)

@@ -90,6 +90,7 @@ def _lora_state(path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # SFT warm start + 3 CF-GRPO steps on CPU (~10 min on 2 idle cores)
 def test_real_smoke_training_run_and_resume(tmp_path):
     from lemon.train import train, warm_start
     cfg = train_preset("smoke")

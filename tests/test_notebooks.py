@@ -28,7 +28,7 @@ def test_notebook_shape(name):
         ast.literal_eval(stmt.value)
         names |= {t.id for t in stmt.targets}
     assert names == {"profile", "out_dir", "seed"}
-    assert nb.cells[1] is code[1] and "study.setup(profile, out_dir, seed)" in code[1].source and "print(cfg)" in code[1].source
+    assert nb.cells[1] is code[1] and "study.setup(profile, out_dir, seed)" in code[1].source and "print(cfg.describe())" in code[1].source
     for c in code:  # logic lives in lemon/, not in the notebooks
         tree = ast.parse("\n".join(l for l in c.source.splitlines() if not l.lstrip().startswith(("%", "!"))))
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))], c.source
@@ -45,6 +45,8 @@ def _rows(out, cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.study  # opt-in (`pytest -m study`) until its CI time is measured; see LOG.md
+@pytest.mark.timeout(3600)  # the whole smoke study (target <= 25 min on 2 idle cores) + a resume + nbval
 def test_smoke_study_end_to_end(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke") / "study"
     cfg = study.study_preset("smoke")
@@ -65,7 +67,7 @@ def test_smoke_study_end_to_end(tmp_path_factory):
     he = read_rows(out / "eval" / "cot" / "humaneval" / "results.jsonl")
     assert all(r["split"] == "test" and r["id"].startswith("HumanEval/") for r in he)
     md = (out / "summary.md").read_text()
-    for needle in ("## Data pools", "## Training", "## Main results", "| method | benchmark | split | n | accuracy",
+    for needle in ("## Data pools", "## Training", "## Main results", "| method | gsm8k (test, n=2) |",
                    "## Ablation", "| variant |", "## Edit effects", "smollm2-135m", f"seed {cfg.seed}", "n = 2"):
         assert needle in md, needle
     assert (out / "train" / "grpo" / "adapter" / "adapter_config.json").exists()
@@ -81,7 +83,7 @@ def test_smoke_study_end_to_end(tmp_path_factory):
     study.run_study("smoke", out, log_output=False)
     again = time.perf_counter() - t0
     assert _rows(out, cfg) == rows
-    assert again < 0.5 * (before["03_ablations"] + before["04_evaluate"]), (again, before)
+    assert again < 0.5 * (before["03_ablations"][0] + before["04_evaluate"][0]), (again, before)
 
     # nbval (lax) re-executes the executed notebooks: every cell must run again without error (and resume, again)
     r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-q",

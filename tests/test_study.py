@@ -44,7 +44,9 @@ def test_presets_build_and_reference_training_presets(profile):
     assert cfg.profile == cfg.train.profile == profile and cfg.seed == cfg.train.seed == cfg.sft.seed == 3
     assert set(cfg.benchmarks) == set(B.BENCHMARKS)
     assert {"vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random", "prompted", "lemon"} <= set(cfg.eval_methods)
-    assert {"global", "full", "edge", "role", "capacity"} <= set(cfg.ablation_variants)
+    assert {"global", "full", "edge"} <= set(cfg.ablation_variants)
+    if profile != "smoke":  # smoke keeps one single-family variant to fit CI
+        assert {"role", "capacity"} <= set(cfg.ablation_variants)
     json.dumps(cfg.to_dict(), default=str)
 
 
@@ -187,7 +189,7 @@ def test_tables_and_summary_from_results(tmp_path):
     e = plots.edit_table(study.read_rows(paths.edits)).set_index("family")
     assert e.loc["edge", "edits"] == 2 and e.loc["edge", "d_accuracy"] == -0.5 and e.loc["capacity", "d_tokens"] == -80
     md = plots.write_summary(cfg, paths).read_text()
-    for needle in ("## Main results", "| method | benchmark | split | n | accuracy", "0.500 [", "## Ablation",
+    for needle in ("## Main results", "| method | gsm8k (test, n=2) | mmlu (validation, n=2) |", "| cot | 0.50 [0.09, 0.91] · 100 |", "## Ablation",
                    "| variant |", "## Edit effects", "seed 0", "smollm2-135m", "gsm8k test", "mmlu validation"):
         assert needle in md, needle
     for fig in (plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a), plots.edit_heatmap(

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole study in one command: notebooks 01 -> 04 executed with papermill into outputs/<profile>-<timestamp>/.
+#   scripts/main.sh --profile smoke|cpu|paper [--out DIR | --resume] [--seed N] [--quiet]
+# An existing --out DIR (or --resume: the newest outputs/<profile>-*) is resumed: finished notebooks are skipped, training
+# resumes from checkpoints, evaluation from results.jsonl. Default profile: cpu (the embedded models on 2 cores, ~2 h).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec .venv/bin/python -m lemon.study "$@"
