@@ -22,9 +22,10 @@ from .config import PROFILES, TrainConfig, sft_preset, train_preset
 from .edits import FAMILIES
 from .evaluate import EvalConfig, read_rows, run_eval
 from .executor import ExecutorCaps
-from .manifest import build_manifest, write_json
+from .manifest import build_manifest, git_sha, write_json
 from .models import DEFAULT_LADDER, SHIPPED
 from .orchestrator import OrchestratorConfig, PolicySpecWriter
+from .prompts import CAPACITIES
 from .sft import SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +65,6 @@ class StudyConfig:
     """Which worker writes the prompted orchestrator's spec."""
     orchestrator_max_tokens: int = 320
     """Spec length cap of the prompted orchestrator (the trained one keeps train.max_completion_length)."""
-    eval_max_tokens: dict = field(default_factory=lambda: {"small": 192, "medium": 256, "large": 320})
-    """Per-capacity cap on each agent's reply in notebooks 03/04."""
     edit_n: int = 1
     """Edit-effect questions per benchmark (a prefix of the eval sample)."""
     edit_specs: int = 1
@@ -104,9 +103,10 @@ class StudyConfig:
                 raise ValueError(f"{k}={getattr(self, k)} must be in 0..eval_n={self.eval_n}: its questions are a prefix of the eval sample")
         if min(self.edit_specs, self.edit_sites, self.ablation_steps, self.sc_k) < 1:
             raise ValueError("edit_specs, edit_sites, ablation_steps and sc_k must be >= 1")
+        if {self.baseline_capacity, self.orchestrator_capacity} - set(CAPACITIES):
+            raise ValueError(f"capacities {self.baseline_capacity!r} / {self.orchestrator_capacity!r}; valid: {', '.join(CAPACITIES)}")
         EvalConfig("tree", "gsm8k", capacity=self.baseline_capacity, n_agents=self.n_agents, k=self.sc_k)  # same checks as eval
         OrchestratorConfig(capacity=self.orchestrator_capacity, max_tokens=self.orchestrator_max_tokens)
-        ExecutorCaps(max_tokens=dict(self.eval_max_tokens))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,8 +126,7 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # CI: 135M everywhere, 2 questions per benchmark, 1-step variants (global, full, edge). Measured on 2 lightly loaded
         # cores (2026-11-30): 01 3 s, 02 375 s (SFT ~5 min, CF-GRPO 21 s/step), 03 181 s, 04 498 s; total 17.7 min.
         # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
-        cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, eval_max_tokens=dict(train.worker_max_tokens),
-                          ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
+        cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
     elif profile == "cpu":
         # Embedded default on 2 cores. ESTIMATE, not yet measured (llama.cpp ~60/30/15 tok/s for 135M/0.5B/1.5B, 0.5B policy
         # generation ~6 tok/s, a CF-GRPO step with the 0.5B policy ~4 min): 01 <1 min; 02 ~38 min (SFT corpus on 8
@@ -136,7 +135,7 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed)
     elif profile == "paper":  # one GPU + vLLM workers: full eval pools, Table-2 ablation at 300 steps on 200 MMLU / GSM8K questions
         cfg = StudyConfig("paper", train, sft, seed=seed, eval_n=None, n_agents=4, sc_k=5, orchestrator_max_tokens=1024,
-                          eval_max_tokens=dict(train.worker_max_tokens), edit_n=20, edit_specs=2, edit_sites=2,
+                          edit_n=20, edit_specs=2, edit_sites=2,
                           ablation_variants=("sft", "global", "full", "edge", "role", "capacity"), ablation_steps=300,
                           ablation_benchmarks=("mmlu", "gsm8k"), ablation_n=200, gallery=8)
     else:
@@ -354,13 +353,13 @@ def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
 
 # ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
 def eval_pool(cfg: StudyConfig):
-    """The worker pool of notebooks 03/04 (same models as training, eval reply caps); close it when done."""
+    """The worker pool of notebooks 03/04: the one LEMON was trained with (same models and reply caps); close it when done."""
     from .train import build_pool
-    return build_pool(replace(cfg.train, worker_max_tokens=dict(cfg.eval_max_tokens)))
+    return build_pool(cfg.train)
 
 
 def eval_caps(cfg: StudyConfig) -> ExecutorCaps:
-    return ExecutorCaps(max_agents=max(cfg.train.max_agents, cfg.n_agents, 4), max_tokens=dict(cfg.eval_max_tokens))
+    return ExecutorCaps(max_agents=max(cfg.train.max_agents, cfg.n_agents, 4), max_tokens=dict(cfg.train.worker_max_tokens))
 
 
 def orch_config(cfg: StudyConfig) -> OrchestratorConfig:
@@ -470,17 +469,22 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
     cfg = study_preset(profile, seed=seed)
     print(f"LEMON study, profile {profile}, seed {seed}: {paths.root}", flush=True)
     write_config(cfg, paths)
-    if not (paths.root / "manifest.json").exists():
-        write_json(paths.root / "manifest.json", study_manifest(cfg))
+    mp = paths.root / "manifest.json"
+    man = json.loads(mp.read_text()) if mp.exists() else study_manifest(cfg)
+    if mp.exists():
+        man.setdefault("resumed", []).append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_sha(), "argv": sys.argv})
+    write_json(mp, man)
     paths.done.mkdir(exist_ok=True)
     timings = json.loads((paths.root / "timings.json").read_text()) if (paths.root / "timings.json").exists() else {}
+    ran = False
     for nb in notebooks:
         src = ROOT / "notebooks" / f"{nb}.ipynb"
         key = _digest(src.read_text(), cfg.to_dict())
         marker = paths.done / f"{nb}.json"
-        if marker.exists() and json.loads(marker.read_text()).get("key") == key:
+        if not ran and marker.exists() and json.loads(marker.read_text()).get("key") == key:
             print(f"[{nb}] finished earlier; skipped", flush=True)
             continue
+        ran = True  # what a notebook (re)writes may change its successors' inputs: they run again too (and resume)
         print(f"[{nb}] running ...", flush=True)
         t0 = time.perf_counter()
         try:

@@ -53,7 +53,7 @@ def test_presets_build_and_reference_training_presets(profile):
 def test_smoke_is_sized_for_ci():
     cfg = study.study_preset("smoke")
     assert cfg.eval_n == 2 and "humaneval" in cfg.benchmarks
-    assert cfg.train.policy.model == "smollm2-135m" and max(cfg.eval_max_tokens.values()) <= 32
+    assert cfg.train.policy.model == "smollm2-135m" and max(cfg.train.worker_max_tokens.values()) <= 32
     assert cfg.train.max_steps <= 2 and cfg.ablation_steps <= 2
     assert study.study_preset("paper").eval_n is None  # the whole eval pools
 
@@ -72,7 +72,7 @@ def test_every_field_has_a_docstring():
                                         ({"eval_n": 1, "edit_n": 2}, "edit_n"),
                                         ({"benchmarks": ("gsm9k",)}, "gsm9k"),
                                         ({"n_agents": 2}, "tree"),
-                                        ({"eval_max_tokens": {"huge": 3}}, "huge")])
+                                        ({"baseline_capacity": "huge"}, "huge")])
 def test_bad_configs_are_refused_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
         study.study_preset("smoke", **bad)
@@ -139,6 +139,11 @@ def test_run_study_skips_finished_notebooks_and_names_a_failing_cell(tmp_path, m
     calls3 = _fake_papermill(monkeypatch)
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls3 == []
+    assert len(json.loads((out / "manifest.json").read_text())["resumed"]) == 2
+    (out / ".done" / "02_train_grpo_lora.json").unlink()  # a notebook that runs again re-runs its successors (they resume)
+    calls4 = _fake_papermill(monkeypatch)
+    study.run_study("smoke", tmp_path / "s", log_output=False)
+    assert calls4 == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
 
 
 def test_cli_main_rejects_conflicting_config(tmp_path, monkeypatch, capsys):
