@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from .progress import bar as tqdm
 
 from . import benchmarks as B
 from .baselines import BASELINES, UnknownMethodError, run_baseline

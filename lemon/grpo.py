@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -185,8 +186,8 @@ class CFGRPOTrainer(GRPOTrainer):
 class CFStateCallback(TrainerCallback):
     """Saves the family sampler (and the edit RNG) with every checkpoint; the step clock and JSONL metrics too."""
 
-    def __init__(self, rewarder: SpecRewarder, metrics_path: Path):
-        self.rewarder, self.metrics_path, self._t = rewarder, Path(metrics_path), None
+    def __init__(self, rewarder: SpecRewarder, metrics_path: Path, verbose: bool = False):
+        self.rewarder, self.metrics_path, self._t, self.verbose = rewarder, Path(metrics_path), None, verbose
 
     def on_step_begin(self, args, state, control, **kw):
         self._t = time.perf_counter()
@@ -197,6 +198,11 @@ class CFStateCallback(TrainerCallback):
                 logs["time/step_s"] = time.perf_counter() - self._t
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+            if self.verbose and "reward" in logs:  # one line per step: the headless console's progress (lemon.progress)
+                g = lambda k: logs.get(k, float("nan"))  # noqa: E731
+                print(f"[cf-grpo] step {state.global_step}/{state.max_steps}  reward {g('reward'):+.3f}  "
+                      f"valid {g('spec/valid_rate'):.2f}  cf edits {g('cf/edits'):.0f}  worker tok {g('tokens/worker_spent'):.0f}"
+                      f" (+cf {g('tokens/cf_spent'):.0f})  {g('time/step_s'):.0f} s", file=sys.stderr, flush=True)
 
     def on_save(self, args, state, control, **kw):
         d = Path(args.output_dir) / f"checkpoint-{state.global_step}"

@@ -15,8 +15,9 @@ from pathlib import Path
 from .baselines import MULTI_AGENT, baseline_spec
 from .executor import ExecutorCaps, NodeCache, execute
 from .orchestrator import OrchestratorConfig, orchestrator_messages, propose_spec
+from .progress import text_mode
 from .prompts import CAPACITIES, Prompts
-from .spec import Agent, Spec, parse_spec
+from .spec import Spec, parse_spec
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
                  cache: NodeCache | None = None, progress: bool = True) -> tuple[list[dict], dict]:
     """Rows {"prompt": messages, "completion": [assistant message], "example_id", "tokens"} and stats
     (candidates, valid, executed, solved, kept, orchestrator_valid)."""
-    from tqdm.auto import tqdm
+    from .progress import bar as tqdm
     if (cfg.filter_by_execution or cfg.use_orchestrator) and pool is None:
         raise ValueError("filter_by_execution / use_orchestrator need a worker pool")
     rng = random.Random(cfg.seed)
@@ -139,7 +140,8 @@ def run_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, out: Path, *, pr
     args = TRLSFTConfig(output_dir=str(out / "sft_ckpt"), num_train_epochs=cfg.epochs, learning_rate=cfg.learning_rate,
                         per_device_train_batch_size=cfg.batch_size, max_length=cfg.max_length, logging_steps=1,
                         save_strategy="no", report_to="none", seed=cfg.seed, use_cpu=not cuda, bf16=cuda,
-                        gradient_checkpointing=False, disable_tqdm=not progress, completion_only_loss=True)
+                        gradient_checkpointing=False, completion_only_loss=True,
+                        disable_tqdm=not progress or text_mode())  # headless: TRL's loss log lines only
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
     trainer.train()
@@ -152,7 +154,7 @@ def valid_rate(model, tokenizer, examples, benchmarks: dict, prompts: Prompts, *
                max_new_tokens: int = 320, progress: bool = True) -> dict:
     """Greedy-decode one spec per question with the policy; the fraction that parse (reported before/after SFT)."""
     import torch
-    from tqdm.auto import tqdm
+    from .progress import bar as tqdm
     from .spec import SpecError
     ok, codes = 0, {}
     model.eval()

@@ -1,30 +1,30 @@
 """The user-facing study: notebooks 01 (data) -> 02 (SFT + CF-GRPO) -> 03 (ablations) -> 04 (evaluation), executed with
 papermill into outputs/<profile>-<timestamp>/ by ONE command (`scripts/main.sh --profile smoke|cpu|paper [--out DIR | --resume]`).
-All logic lives here and in lemon.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
+Here: the config of each profile, the folder layout and the runner; what each notebook computes is in lemon.stages,
+the plots and summary tables in lemon.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
 are skipped (a marker under .done/), and inside a notebook training resumes from checkpoints and evaluation from results.jsonl.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
-import random
+import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import benchmarks as B
 from .baselines import BASELINES
 from .config import PROFILES, TrainConfig, sft_preset, train_preset
 from .edits import FAMILIES
-from .evaluate import EvalConfig, read_rows, run_eval
-from .executor import ExecutorCaps
+from .evaluate import EvalConfig
 from .manifest import build_manifest, git_sha, write_json
 from .models import DEFAULT_LADDER, SHIPPED
-from .orchestrator import OrchestratorConfig, PolicySpecWriter
+from .orchestrator import OrchestratorConfig
+from .progress import TEXT_ENV
 from .prompts import CAPACITIES
 from .sft import SFTConfig
 
@@ -229,216 +229,6 @@ def load_samples(cfg: StudyConfig, paths: StudyPaths, which: str = "eval") -> di
     return out
 
 
-# ---- notebook 01: data -----------------------------------------------------------------------------------------------
-def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
-    """Write the disjoint pools (ids per benchmark) and the seeded samples under data/; return the stats rows and the checks
-    (counts, id and normalized-text overlap between train and eval, samples inside the eval pools). Raises on any overlap."""
-    train, ev = B.train_pool(cfg.protocol), B.eval_pool(cfg.protocol)
-    dropped = B.dropped_counts(cfg.protocol)
-    stats, checks = [], {}
-    for b in B.BENCHMARKS:
-        for which, exs in (("train", train[b]), ("eval", ev[b])):
-            lens = sorted(len(e.question) for e in exs)
-            stats.append({"benchmark": b, "pool": which, "split": B.POOL_SPLITS[which][b], "n": len(exs),
-                          "question_chars_median": lens[len(lens) // 2] if lens else 0,
-                          "dropped_for_text_overlap": dropped[b] if which == "train" else 0})
-        tid, eid = {e.id for e in train[b]}, {e.id for e in ev[b]}
-        ttx = {B.normalize_question(e.question) for e in train[b]}
-        etx = {B.normalize_question(e.question) for e in ev[b]}
-        checks[b] = {"train": len(train[b]), "eval": len(ev[b]), "id_overlap": len(tid & eid), "text_overlap": len(ttx & etx)}
-    all_t = {B.normalize_question(e.question) for x in train.values() for e in x}
-    checks["cross_benchmark_text_overlap"] = sum(B.normalize_question(e.question) in all_t for x in ev.values() for e in x)
-    order = {b: [e.id for e in ev[b]] for b in cfg.benchmarks}  # a seeded order; every sample is a prefix of it
-    for ids in order.values():
-        random.Random(cfg.seed).shuffle(ids)
-    cut = lambda n, bs: {b: order[b][:n] if n is not None else order[b] for b in bs}  # noqa: E731
-    samples = {"eval": cut(cfg.eval_n, cfg.benchmarks), "edit": cut(cfg.edit_n, cfg.benchmarks),
-               "ablation": cut(cfg.ablation_n, cfg.ablation_benchmarks), "seed": cfg.seed, "protocol": cfg.protocol}
-    bad = [b for b in B.BENCHMARKS if checks[b]["id_overlap"] or checks[b]["text_overlap"]]
-    if bad:
-        raise AssertionError(f"train and eval pools overlap for {bad}: {[checks[b] for b in bad]}")
-    paths.data.mkdir(parents=True, exist_ok=True)
-    write_json(paths.data / "train_ids.json", {b: [e.id for e in train[b]] for b in B.BENCHMARKS})
-    write_json(paths.data / "eval_ids.json", {b: [e.id for e in ev[b]] for b in B.BENCHMARKS})
-    write_json(paths.data / "checks.json", checks)
-    write_json(paths.data / "stats.json", stats)
-    write_json(paths.samples, samples)
-    return {"stats": stats, "checks": checks, "samples": samples}
-
-
-# ---- notebook 02: training -------------------------------------------------------------------------------------------
-def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, progress: bool = True) -> tuple[dict, dict]:
-    """SFT warm start then CF-GRPO (both resume), with one worker pool; checks the training ids lie in 01's train pools."""
-    from .train import build_pool, train, warm_start
-    pools = json.loads(paths.require(paths.data / "train_ids.json", "01_prepare_data").read_text())
-    pool = build_pool(cfg.train)
-    try:
-        sft = warm_start(cfg.train, cfg.sft, paths.sft, prompts, pool=pool, progress=progress)
-        res = train(cfg.train, paths.grpo, prompts, pool=pool, init_adapter=sft["adapter"], progress=progress)
-    finally:
-        pool.close()
-    allowed = {i for ids in pools.values() for i in ids}
-    used = json.loads((paths.grpo / "manifest.json").read_text()).get("train_ids", [])
-    if set(used) - allowed:
-        raise AssertionError(f"training used ids outside notebook 01's train pools: {sorted(set(used) - allowed)[:5]}")
-    return sft, res
-
-
-# ---- notebook 03: ablations ------------------------------------------------------------------------------------------
-def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> list[dict]:
-    """On held-out specs (seeded mutated baselines) for the edit sample of the EVAL pools, apply each edit family at up to
-    `edit_sites` eligible sites and execute original and edited spec (node cache shared). One row per edit in
-    ablations/edit_effects.jsonl (resumed by key); d_score / d_tokens = edited minus original."""
-    from tqdm.auto import tqdm
-    from .edits import apply_edit, eligible_sites
-    from .executor import NodeCache, execute
-    from .sft import mutated_baseline
-    samples = load_samples(cfg, paths, "edit")
-    paths.edits.parent.mkdir(parents=True, exist_ok=True)
-    rows = read_rows(paths.edits)
-    done = {r["key"] for r in rows}
-    cache = NodeCache(path=paths.edits.with_name("edit_node_cache.jsonl"))
-    caps = eval_caps(cfg)
-    jobs = [(b, ex, k) for b, exs in samples.items() for ex in exs for k in range(cfg.edit_specs)]
-    for b, ex, k in tqdm(jobs, desc="edit effects", disable=not progress):
-        bench = B.get_benchmark(b)
-        rng = random.Random(f"{cfg.seed}/{ex.id}/{k}")
-        spec = mutated_baseline(bench.domain, ex.question, prompts, rng, max_agents=min(cfg.train.max_agents, 4))
-        orig = None
-        for fam in FAMILIES:
-            sites = eligible_sites(spec, fam, prompts)
-            for site in rng.sample(sites, min(cfg.edit_sites, len(sites))):
-                key = f"{ex.id}|{k}|{fam}|{'>'.join(site)}"
-                if key in done:
-                    continue
-                orig = orig or execute(spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed)
-                e = apply_edit(spec, fam, site, prompts)
-                tr = execute(e.spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed)
-                row = {"key": key, "id": ex.id, "benchmark": b, "split": ex.split, "spec_index": k, "family": fam,
-                       "site": list(site), "agents": len(spec.agents), "score_orig": orig.score, "score_edit": tr.score,
-                       "tokens_orig": orig.nominal_tokens, "tokens_edit": tr.nominal_tokens,
-                       "d_score": tr.score - orig.score, "d_tokens": tr.nominal_tokens - orig.nominal_tokens,
-                       "spec": spec.text, "edited_spec": e.text}
-                with open(paths.edits, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                rows.append(row)
-    return rows
-
-
-def train_variant(cfg: StudyConfig, paths: StudyPaths, name: str, prompts, pool, *, progress: bool = True) -> Path:
-    """Train (or resume) one ablation variant from notebook 02's SFT warm start; returns its adapter folder.
-    'sft' is the warm start itself; 'full' at the main run's step count is notebook 02's run (not retrained)."""
-    from .train import train
-    sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())
-    if name == "sft":
-        return Path(sft["adapter"])
-    if name == "full" and cfg.ablation_steps == cfg.train.max_steps:
-        return Path(paths.require(paths.grpo / "adapter", "02_train_grpo_lora"))
-    vcfg = replace(cfg.train, max_steps=cfg.ablation_steps, save_steps=min(cfg.train.save_steps, cfg.ablation_steps),
-                   **VARIANTS[name])
-    return Path(train(vcfg, paths.variant(name), prompts, pool=pool, init_adapter=sft["adapter"], progress=progress)["adapter"])
-
-
-def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> dict[str, Path]:
-    """Train each variant (resumes) and evaluate its adapter on the ablation sample into ablations/variants/<name>/eval."""
-    samples = load_samples(cfg, paths, "ablation")
-    adapters = {}
-    for name in cfg.ablation_variants:
-        adapters[name] = train_variant(cfg, paths, name, prompts, pool, progress=progress)
-        gc.collect()
-        evaluate(cfg, paths, name, samples, pool, prompts, adapter=adapters[name], progress=progress,
-                 out_of=lambda b, n=name: paths.variant(n) / "eval" / b)
-    return adapters
-
-
-# ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
-def eval_pool(cfg: StudyConfig):
-    """The worker pool of notebooks 03/04: the one LEMON was trained with (same models and reply caps); close it when done."""
-    from .train import build_pool
-    return build_pool(cfg.train)
-
-
-def eval_caps(cfg: StudyConfig) -> ExecutorCaps:
-    return ExecutorCaps(max_agents=max(cfg.train.max_agents, cfg.n_agents, 4), max_tokens=dict(cfg.train.worker_max_tokens))
-
-
-def orch_config(cfg: StudyConfig) -> OrchestratorConfig:
-    return OrchestratorConfig(capacity=cfg.orchestrator_capacity, max_tokens=cfg.orchestrator_max_tokens,
-                              max_agents=cfg.train.max_agents)
-
-
-class LazyPolicyWriter:
-    """The trained orchestrator (PolicySpecWriter on base model + adapter), loaded on its first spec: a resumed eval whose
-    rows all exist never loads the model."""
-
-    def __init__(self, cfg: StudyConfig, adapter: Path, name: str):
-        self.cfg, self.adapter, self.name, self._w = cfg, Path(adapter), name, None
-
-    def propose(self, *a, **kw):
-        if self._w is None:
-            from .policy import load_policy
-            model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
-            model.eval()
-            orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
-            self._w = PolicySpecWriter(model, tok, orch, self.name)
-        return self._w.propose(*a, **kw)
-
-    def close(self) -> None:
-        self._w = None
-        gc.collect()
-
-
-def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[str, list], pool, prompts, *,
-             adapter: Path | None = None, out_of=None, progress: bool = True) -> list[dict]:
-    """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
-    summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy)."""
-    if method not in BASELINES and method != "prompted" and adapter is None:
-        raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter")
-    writer = None
-    if adapter is not None:
-        rel = Path(adapter).resolve().relative_to(paths.root) if paths.root in Path(adapter).resolve().parents else adapter
-        writer = LazyPolicyWriter(cfg, Path(adapter), name=f"lemon:{cfg.train.policy.model}:{rel}")
-    out_of = out_of or (lambda b: paths.eval_dir(method, b))
-    sums = []
-    try:
-        for b, exs in examples.items():
-            ecfg = EvalConfig("orchestrator" if method not in BASELINES else method, b, B.POOL_SPLITS["eval"][b], seed=cfg.seed,
-                              capacity=cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
-            s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg), orch=orch_config(cfg), writer=writer,
-                         examples=exs, progress=progress)
-            sums.append({**s, "method": method})
-    finally:
-        if writer:
-            writer.close()
-    return sums
-
-
-def evaluate_all(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True) -> None:
-    """Notebook 04: every method of cfg.eval_methods on the eval sample (LEMON = notebook 02's adapter)."""
-    samples = load_samples(cfg, paths, "eval")
-    adapter = paths.require(paths.grpo / "adapter", "02_train_grpo_lora") if "lemon" in cfg.eval_methods else None
-    for m in cfg.eval_methods:
-        evaluate(cfg, paths, m, samples, pool, prompts, adapter=adapter if m == "lemon" else None, progress=progress)
-
-
-def generated_specs(cfg: StudyConfig, paths: StudyPaths, prompts, methods=ORCHESTRATORS) -> list[dict]:
-    """Specs the orchestrators wrote in notebook 04 (parsed again; invalid ones keep their error), valid ones first."""
-    from .spec import SpecError, parse_spec
-    out = []
-    for m in methods:
-        for b in cfg.benchmarks:
-            for r in read_rows(paths.eval_dir(m, b) / "results.jsonl"):
-                if not r.get("spec"):
-                    continue
-                try:
-                    spec = parse_spec(r["spec"], base_roles=prompts.roles_for(B.get_benchmark(b).domain))
-                except SpecError:
-                    spec = None
-                out.append({"method": m, "benchmark": b, "id": r["id"], "spec": spec, "text": r["spec"],
-                            "error": r.get("spec_error"), "correct": r["correct"], "tokens": r["tokens"]})
-    return sorted(out, key=lambda d: d["spec"] is None)
-
-
 # ---- the runner ------------------------------------------------------------------------------------------------------
 def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -475,6 +265,8 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
         man.setdefault("resumed", []).append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_sha(), "argv": sys.argv})
     write_json(mp, man)
     paths.done.mkdir(exist_ok=True)
+    if log_output:  # the kernels inherit it: text progress bars on the console (see lemon.progress)
+        os.environ[TEXT_ENV] = "1"
     timings = json.loads((paths.root / "timings.json").read_text()) if (paths.root / "timings.json").exists() else {}
     ran = False
     for nb in notebooks:

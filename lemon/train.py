@@ -14,6 +14,7 @@ from .executor import ExecutorCaps, NodeCache
 from .manifest import build_manifest, write_json
 from .orchestrator import orchestrator_messages
 from .policy import load_policy, resolve_backend
+from .progress import text_mode
 from .prompts import Prompts
 from .sft import SFTConfig
 
@@ -123,11 +124,12 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adap
         per_device_train_batch_size=cfg.batch_size, num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, beta=cfg.beta,
         reward_weights=weights, logging_steps=1, save_strategy="steps", save_steps=cfg.save_steps, report_to="none",
-        seed=cfg.seed, use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False, disable_tqdm=not progress,
+        seed=cfg.seed, use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False,
+        disable_tqdm=not progress or text_mode(),  # headless: the callback's step lines instead
         log_completions=False)
     trainer = CFGRPOTrainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
                             train_dataset=Dataset.from_list(rows), rewarder=rewarder)
-    trainer.add_callback(CFStateCallback(rewarder, out / "metrics.jsonl"))
+    trainer.add_callback(CFStateCallback(rewarder, out / "metrics.jsonl", verbose=progress))
     ckpt = latest_checkpoint(out / "grpo")
     if ckpt is not None:
         load_cf_state(rewarder, ckpt)

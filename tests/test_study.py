@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lemon import benchmarks as B
-from lemon import plots, study
+from lemon import plots, stages, study
 from lemon.prompts import CAPACITIES, default_prompts
 from lemon.workers import FakeBackend, WorkerPool
 
@@ -103,7 +103,7 @@ def test_missing_inputs_name_the_notebook(tmp_path):
     with pytest.raises(FileNotFoundError, match="01_prepare_data"):
         study.load_samples(cfg, paths)
     with pytest.raises(FileNotFoundError, match="02_train_grpo_lora"):
-        study.train_variant(cfg, paths, "global", default_prompts(), pool=None)
+        stages.train_variant(cfg, paths, "global", default_prompts(), pool=None)
 
 
 def _fake_papermill(monkeypatch, fail_in=None):
@@ -191,14 +191,14 @@ def test_tables_and_summary_from_results(tmp_path):
     assert s.loc["lemon", "pareto"] and s.loc["cot", "pareto"] and not s.loc["chain", "pareto"]
     a = plots.ablation_table(paths.root, cfg.ablation_variants, cfg.ablation_benchmarks)
     assert list(a.variant) == ["global", "full"] and list(a["gsm8k acc"]) == [0.0, 1.0]
-    e = plots.edit_table(study.read_rows(paths.edits)).set_index("family")
+    e = plots.edit_table(stages.read_rows(paths.edits)).set_index("family")
     assert e.loc["edge", "edits"] == 2 and e.loc["edge", "d_accuracy"] == -0.5 and e.loc["capacity", "d_tokens"] == -80
     md = plots.write_summary(cfg, paths).read_text()
     for needle in ("## Main results", "| method | gsm8k (test, n=2) | mmlu (validation, n=2) |", "| cot | 0.50 [0.09, 0.91] · 100 |", "## Ablation",
                    "| variant |", "## Edit effects", "seed 0", "smollm2-135m", "gsm8k test", "mmlu validation"):
         assert needle in md, needle
     for fig in (plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a), plots.edit_heatmap(
-            plots.edit_table(study.read_rows(paths.edits)))):
+            plots.edit_table(stages.read_rows(paths.edits)))):
         p = plots.save(fig, tmp_path / "p.png")
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -226,7 +226,7 @@ def prepared(tmp_path_factory):
     cfg = study.study_preset("smoke", eval_n=2, edit_n=1)
     paths = study.StudyPaths(tmp_path_factory.mktemp("study"))
     study.write_config(cfg, paths)
-    return cfg, paths, study.prepare_data(cfg, paths)
+    return cfg, paths, stages.prepare_data(cfg, paths)
 
 
 def test_prepare_data_writes_disjoint_pools_and_samples(prepared):
@@ -247,25 +247,25 @@ def test_evaluate_resumes_without_duplicate_rows(prepared):
     pool, prompts = fake_pool(), default_prompts()
     ex = {b: v for b, v in study.load_samples(cfg, paths).items() if b in ("gsm8k", "multiarith")}
     for method in ("cot", "prompted"):
-        s1 = study.evaluate(cfg, paths, method, ex, pool, prompts, progress=False)
-        s2 = study.evaluate(cfg, paths, method, ex, pool, prompts, progress=False)
+        s1 = stages.evaluate(cfg, paths, method, ex, pool, prompts, progress=False)
+        s2 = stages.evaluate(cfg, paths, method, ex, pool, prompts, progress=False)
         assert [s["n"] for s in s1] == [s["n"] for s in s2] == [2, 2]
         for b in ex:
-            assert len(study.read_rows(paths.eval_dir(method, b) / "results.jsonl")) == 2
-    rows = study.read_rows(paths.eval_dir("prompted", "gsm8k") / "results.jsonl")
+            assert len(stages.read_rows(paths.eval_dir(method, b) / "results.jsonl")) == 2
+    rows = stages.read_rows(paths.eval_dir("prompted", "gsm8k") / "results.jsonl")
     assert all(r["spec"] and not r["spec_error"] for r in rows)
-    gen = study.generated_specs(cfg, paths, prompts)
+    gen = stages.generated_specs(cfg, paths, prompts)
     assert gen and gen[0]["spec"] is not None and gen[0]["method"] == "prompted"
     with pytest.raises(ValueError, match="adapter"):
-        study.evaluate(cfg, paths, "lemon", ex, pool, prompts)
+        stages.evaluate(cfg, paths, "lemon", ex, pool, prompts)
 
 
 def test_edit_effects_rows_and_resume(prepared):
     cfg, paths, _ = prepared
     pool, prompts = fake_pool(), default_prompts()
-    rows = study.edit_effects(cfg, paths, prompts, pool, progress=False)
+    rows = stages.edit_effects(cfg, paths, prompts, pool, progress=False)
     assert rows and {r["family"] for r in rows} <= {"edge", "role", "capacity"}
     assert all(r["split"] == B.POOL_SPLITS["eval"][r["benchmark"]] for r in rows)
     assert all(r["d_score"] == r["score_edit"] - r["score_orig"] and r["spec"] != r["edited_spec"] for r in rows)
-    again = study.edit_effects(cfg, paths, prompts, pool, progress=False)
-    assert len(again) == len(rows) == len(study.read_rows(paths.edits))
+    again = stages.edit_effects(cfg, paths, prompts, pool, progress=False)
+    assert len(again) == len(rows) == len(stages.read_rows(paths.edits))
