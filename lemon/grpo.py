@@ -166,6 +166,8 @@ class CFGRPOTrainer(GRPOTrainer):
         m["tokens/cf_spent"].append(sum(r.cf_tokens_spent for r in recs))
         m["tokens/cf_nominal"].append(sum(r.cf_tokens_nominal for r in recs))
         m["cf/edits"].append(sum(1 for r in recs if r.family))
+        # rollouts whose CF term reaches the loss: an edit with delta != 0 and a mapped span (lambda > 0)
+        m["cf/active"].append(sum(1 for r in recs if r.family and r.delta and r.span_positions) * (self.rewarder.cf_lambda > 0))
         for code, k in Counter(r.error for r in recs if not r.valid).items():  # why rollouts were invalid
             m[f"spec/invalid_{code}"].append(k / len(recs))
         per = defaultdict(list)

@@ -86,7 +86,8 @@ class WorkerPool:
 
     def describe(self) -> dict:
         return {cap: {"backend": getattr(b, "backend", type(b).__name__), "model": b.model,
-                      "params": dataclasses.asdict(self.params[cap])} for cap, b in self.backends.items()}
+                      "params": dataclasses.asdict(self.params[cap]),
+                      **({"n_threads": b.n_threads} if getattr(b, "n_threads", None) else {})} for cap, b in self.backends.items()}
 
     def close(self) -> None:
         for b in {id(b): b for b in self.backends.values()}.values():  # a shared backend is closed once
@@ -112,6 +113,7 @@ class WorkerPool:
             raise ValueError(f"max_tokens for capacities not in the config: {sorted(set(max_tokens) - set(cfg))}")
         shared: dict[str, Backend] = {}
         backends = {}
+        cpu_lock = threading.Lock()  # every in-process llama.cpp decode uses all cores: one at a time (LlamaCppBackend)
         try:
             for cap, entry in cfg.items():
                 if not isinstance(entry, dict) or "backend" not in entry or "model" not in entry:
@@ -119,7 +121,7 @@ class WorkerPool:
                 if entry["backend"] not in BACKENDS:
                     raise ValueError(f"unknown backend {entry['backend']!r} for {cap!r}; valid: {list(BACKENDS)}")
                 k = json.dumps(entry, sort_keys=True, default=str)
-                backends[cap] = shared[k] = shared.get(k) or _make_backend(dict(entry))
+                backends[cap] = shared[k] = shared.get(k) or _make_backend(dict(entry), cpu_lock)
         except BaseException:
             for b in shared.values():  # do not leak already-loaded weights when a later entry is bad
                 b.close()
@@ -128,9 +130,10 @@ class WorkerPool:
                               for cap in backends})
 
 
-def _make_backend(entry: dict) -> Backend:
+def _make_backend(entry: dict, cpu_lock: threading.Lock | None = None) -> Backend:
     kind, model = entry.pop("backend"), entry.pop("model")
     if kind == "llama_cpp":
+        entry.setdefault("cpu_lock", cpu_lock)
         if model in SHIPPED:
             return LlamaCppBackend.shipped(model, **entry)
         if Path(model).is_file():

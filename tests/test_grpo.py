@@ -106,10 +106,9 @@ def test_real_smoke_training_run_and_resume(tmp_path):
     assert [l["step"] for l in steps] == [1, 2]
     for key in ("reward", "rewards/success/mean", "rewards/token_efficiency/mean", "rewards/graph_cost/mean",
                 "rewards/invalid/mean", "spec/valid_rate", "spec/agents", "tokens/worker_spent", "tokens/cf_spent",
-                "cf/edits", "cf/prob_edge", "cf/prob_role", "cf/prob_capacity", "cache/hits", "time/step_s", "reward_std"):
+                "cf/edits", "cf/active", "cf/prob_edge", "cf/prob_role", "cf/prob_capacity", "cache/hits", "time/step_s", "reward_std"):
         assert all(key in l for l in steps), key
-    moved = any(l["reward_std"] > 0 or l["cf/edits"] > 0 for l in steps)
-    # weights move exactly when some advantage was non-zero (group reward spread or a CF contrast)
+    moved = any(l["reward_std"] > 0 or l["cf/active"] > 0 for l in steps)
     # the LoRA weights move exactly when some advantage was non-zero (a group reward spread or a CF contrast); the 135M
     # policy can write only invalid specs in both steps, and then GRPO has no signal (LOG.md, 2026-11-30)
     assert (changed > 0) == moved, (changed, steps)

@@ -373,3 +373,19 @@ def test_transformers_backend_counts_tokens(tmp_path):
     be.close()
     with pytest.raises(BackendUnavailableError):
         be.chat(MSGS, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.slow
+def test_embedded_pool_uses_every_core_and_one_cpu_lock():
+    """llama-cpp-python defaults to cpu_count // 2 threads (1 on a 2-core box); the pool uses all usable cores and
+    serializes in-process decodes of different models on one lock so they never oversubscribe the CPU."""
+    from lemon.backends import usable_cores
+    pool = WorkerPool.from_config({"small": {"backend": "llama_cpp", "model": "smollm2-135m"},
+                                   "large": {"backend": "llama_cpp", "model": "smollm2-135m", "n_ctx": 2048}})
+    try:
+        s, l = pool.backends["small"], pool.backends["large"]
+        assert s is not l  # two handles (different n_ctx) ...
+        assert s._lock is l._lock  # ... one CPU lock
+        assert s.n_threads == l.n_threads == usable_cores() == pool.describe()["small"]["n_threads"]
+    finally:
+        pool.close()
