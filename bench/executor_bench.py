@@ -1,12 +1,14 @@
 """Executor figures (issue 3 §5), printed, not asserted. Real shipped models through llama.cpp; numbers are noisy on a
 shared 2-core machine, so each figure says what it measured.
 
-  .venv/bin/python bench/executor_bench.py [--questions 4] [--edits 100] [--max-tokens 48]
+  .venv/bin/python bench/executor_bench.py [--questions 4] [--edits 100] [--max-tokens 48] [--only overhead,concurrency,cache]
 
 1. overhead: wall time of execute() minus the summed backend latency, for baseline specs run on ONE shared 135M handle
    (agents serialise on its lock, so wall = backend time + executor overhead).
-2. concurrency: questions/minute for a 4-agent Tree spec (two leaves on different models can overlap) and a 4-agent Complete
-   spec (a total order: nothing can overlap), run with the level's agents concurrently vs one at a time.
+2. concurrency: questions/minute for a 4-agent Tree spec (leaves on two different models can overlap) and a 4-agent Complete
+   spec (a total order: nothing can overlap), in three designs: one thread per llama.cpp handle with a level's agents
+   concurrent (one lock per handle), the same one at a time, and the default since 2026-11-30: every core per decode and one
+   CPU lock shared by the pool's handles (lemon.backends.LlamaCppBackend).
 3. node cache: worker tokens to re-run random single-field edits of executed specs, with the cache vs without it (the
    cacheless cost is the edited spec's nominal tokens: every agent re-run).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import threading
 import time
 
 from lemon import benchmarks as B
@@ -43,7 +46,9 @@ def main():
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--edits", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--only", default="overhead,concurrency,cache", help="comma-separated sections to run")
     a = ap.parse_args()
+    only = set(a.only.split(","))
     P = default_prompts()
     bench = B.get_benchmark("gsm8k")
     qs = B.load("gsm8k", "test", limit=a.questions, seed=0)
@@ -53,37 +58,47 @@ def main():
     small = LlamaCppBackend.shipped("smollm2-135m")
     pool = WorkerPool({c: small for c in ("small", "medium", "large")})
     wall = backend = 0.0
-    for name in ("chain", "tree", "complete", "random"):
+    for name in ("chain", "tree", "complete", "random") if "overhead" in only else ():
         spec = baseline_spec(name, "math", n_agents=4)
         for ex in qs:
             tr = execute(spec, ex, bench, pool, prompts=P, caps=caps)
             wall += tr.wall_s
             backend += tr.worker_latency_s
-    print(f"[overhead] {4 * len(qs)} executions (chain/tree/complete/random x {len(qs)} gsm8k test q, 135M, "
-          f"max_tokens {a.max_tokens}): wall {wall:.1f}s, backend {backend:.1f}s, overhead {wall - backend:.2f}s = "
-          f"{100 * (wall - backend) / wall:.2f}% (goal <= 3%)")
+    if "overhead" in only:
+        print(f"[overhead] {4 * len(qs)} executions (chain/tree/complete/random x {len(qs)} gsm8k test q, 135M, "
+              f"max_tokens {a.max_tokens}): wall {wall:.1f}s, backend {backend:.1f}s, overhead {wall - backend:.2f}s = "
+              f"{100 * (wall - backend) / wall:.2f}% (goal <= 3%)", flush=True)
 
     # 2. concurrency: distinct models per capacity (each llama.cpp handle runs one sequence at a time)
-    ladder = {c: LlamaCppBackend.shipped(m) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
-    ladder["large"] = ladder["medium"]
-    for name in ("tree", "complete"):
-        base = baseline_spec(name, "math", n_agents=4, capacity="small")
-        # leaves alternate small / medium so two leaves can run on two different handles at once
-        d = base.to_dict()
-        for i, ag in enumerate(d["agents"][:-1]):
-            ag["capacity"] = ("small", "medium")[i % 2]
+    if "concurrency" in only:
         from lemon.spec import spec_from_dict
-        spec = spec_from_dict(d)
-        for label, backends in (("concurrent", ladder), ("sequential", {c: Sequential(b) for c, b in ladder.items()})):
-            p = WorkerPool(dict(backends))
-            t0 = time.perf_counter()
-            for ex in qs:
-                execute(spec, ex, bench, p, prompts=P, caps=caps, cache=None)
-            dt = time.perf_counter() - t0
-            print(f"[concurrency] {name} 4 agents, leaves on 135M/0.5B, {label}: {len(qs) / dt * 60:.2f} questions/min "
-                  f"({dt:.1f}s for {len(qs)})")
+        one = {c: LlamaCppBackend.shipped(m, n_threads=1) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
+        lock = threading.Lock()
+        allc = {c: LlamaCppBackend.shipped(m, cpu_lock=lock) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
+        for lad in (one, allc):
+            lad["large"] = lad["medium"]
+        designs = (("1 thread/handle, concurrent", one), ("1 thread/handle, sequential", {c: Sequential(b) for c, b in one.items()}),
+                   (f"{allc['small'].n_threads} threads/decode, one CPU lock", allc))
+        for name in ("tree", "complete"):
+            d = baseline_spec(name, "math", n_agents=4, capacity="small").to_dict()
+            for i, ag in enumerate(d["agents"][:-1]):  # leaves alternate small / medium: two handles can overlap
+                ag["capacity"] = ("small", "medium")[i % 2]
+            spec = spec_from_dict(d)
+            for label, backends in designs:
+                p = WorkerPool(dict(backends))
+                t0 = time.perf_counter()
+                for ex in qs:
+                    execute(spec, ex, bench, p, prompts=P, caps=caps, cache=None)
+                dt = time.perf_counter() - t0
+                print(f"[concurrency] {name} 4 agents, leaves on 135M/0.5B, {label}: {len(qs) / dt * 60:.2f} questions/min "
+                      f"({dt:.1f}s for {len(qs)})", flush=True)
+        for b in [*one.values(), *allc.values()]:
+            b.close()
 
     # 3. node cache: random single-field edits of executed specs
+    if "cache" not in only:
+        small.close()
+        return
     rng = random.Random(0)
     cache = NodeCache()
     spent = nominal = n = 0
@@ -103,8 +118,6 @@ def main():
           f"worker tokens with cache {spent}, without {nominal} ({100 * spent / max(1, nominal):.1f}% of cacheless; "
           f"edits repeat across draws, so later repeats are free too)")
     small.close()
-    for b in {id(b): b for b in ladder.values()}.values():
-        b.close()
 
 
 if __name__ == "__main__":
