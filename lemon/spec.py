@@ -17,6 +17,7 @@ plus `final`, the agent whose output is the answer. Example:
 We build the Spec from PyYAML's *node* tree rather than `safe_load`, for three reasons: every node carries its character
 offsets (the counterfactual loss needs the span of each edited value in the text the model wrote), duplicate keys can be
 rejected (safe_load silently keeps the last), and no Python object is ever constructed from untrusted tags.
+The named errors are in lemon.spec_errors (re-exported here), the YAML plumbing in lemon.spec_yaml.
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ from typing import Iterable, Mapping
 import yaml
 
 from .prompts import CAPACITIES, default_prompts
-
-Span = tuple[int, int]  # [start, end) character offsets into Spec.text
+from .spec_errors import (BadFinalError, BadIdError, DuplicateDependencyError, DuplicateIdError, EmptyError,  # noqa: F401
+                          ForwardDependencyError, MissingFieldError, NotMappingError, NoYamlError, SelfDependencyError,
+                          SpecError, TooLongError, TooManyAgentsError, UnknownBaseRoleError, UnknownCapacityError,
+                          UnknownDependencyError, UnknownFieldError, WrongTypeError, YamlSyntaxError)  # re-exported
+from .spec_yaml import _STR_TAG, Span, _kind, _mapping, _span, extract_yaml  # noqa: F401  (extract_yaml re-exported)
 
 MAX_AGENTS = 8
 MAX_TEXT_CHARS = 12_000
@@ -37,41 +41,8 @@ MAX_LEN = {"id": 32, "base_role": 32, "role": 80, "duty": 500, "capacity": 16}
 AGENT_FIELDS = ("id", "base_role", "role", "duty", "capacity", "depends_on")
 REQUIRED_FIELDS = ("id", "base_role", "role", "duty", "capacity")  # depends_on defaults to []
 ID_RE = re.compile(r"[A-Za-z][A-Za-z0-9_\-]*\Z")
-_STR_TAG = "tag:yaml.org,2002:str"
 
 
-class SpecError(ValueError):
-    """Any invalid spec. `code` is stable and machine-readable; the message says what and where."""
-
-    code = "invalid"
-
-    def __init__(self, message: str, where: str = ""):
-        self.where = where
-        super().__init__(f"[{self.code}] {where + ': ' if where else ''}{message}")
-
-
-def _err(code_: str, doc: str) -> type[SpecError]:
-    return type(f"Spec{''.join(w.title() for w in code_.split('_'))}Error", (SpecError,), {"code": code_, "__doc__": doc})
-
-
-NoYamlError = _err("no_yaml", "The text holds no spec (no `agents:` block and no fenced YAML).")
-YamlSyntaxError = _err("yaml_syntax", "The YAML does not parse (or uses anchors/aliases or several documents).")
-NotMappingError = _err("not_mapping", "The document or an agent is not a mapping.")
-MissingFieldError = _err("missing_field", "A required field is absent.")
-UnknownFieldError = _err("unknown_field", "A field that the schema does not know, or a duplicated key.")
-WrongTypeError = _err("wrong_type", "A field has the wrong type (e.g. a number where a string is expected).")
-EmptyError = _err("empty", "No agents, or an empty string value.")
-TooManyAgentsError = _err("too_many_agents", "More agents than max_agents.")
-DuplicateIdError = _err("duplicate_id", "Two agents share an id.")
-BadIdError = _err("bad_id", "An id is not a short slug (letter, then letters, digits, _ or -).")
-UnknownDependencyError = _err("unknown_dependency", "depends_on names an agent that does not exist.")
-ForwardDependencyError = _err("forward_dependency", "depends_on names a later agent (this is what rules out cycles).")
-SelfDependencyError = _err("self_dependency", "An agent depends on itself.")
-DuplicateDependencyError = _err("duplicate_dependency", "depends_on lists the same agent twice.")
-UnknownCapacityError = _err("unknown_capacity", "capacity is not small / medium / large.")
-UnknownBaseRoleError = _err("unknown_base_role", "base_role is not in the base-role library.")
-BadFinalError = _err("bad_final", "final does not name an agent.")
-TooLongError = _err("too_long", "A field (or the whole text) is longer than allowed.")
 
 
 @dataclass(frozen=True)
@@ -174,40 +145,6 @@ def _scalar(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
-# ---- extraction of the YAML from a model completion ---------------------------------------------------------------
-_FENCE = re.compile(r"```[ \t]*(?:ya?ml|YAML)?[ \t]*\n")
-_TOP = re.compile(r"^(agents|final)[ \t]*:", re.M)
-
-
-def extract_yaml(text: str) -> tuple[str, int]:
-    """Return (yaml_text, offset of yaml_text in text). Accepts a bare spec, a ```yaml fenced block (closing fence optional:
-    a truncated completion still parses or fails on its own), or a spec with lines of prose before / after it."""
-    m = _FENCE.search(text)
-    if m:
-        start = m.end()
-        end = text.find("```", start)
-        return text[start:end if end >= 0 else len(text)], start
-    brace = re.search(r"^[ \t]*\{", text, re.M)
-    top = _TOP.search(text)
-    if brace and (top is None or brace.start() < top.start()):  # a JSON/flow document (e.g. schema-constrained decoding)
-        start = brace.end() - 1
-        end = text.rfind("}") + 1
-        return text[start:end if end > start else len(text)], start
-    lines = text.splitlines(keepends=True)
-    pos, start, end = 0, None, None
-    for line in lines:
-        if start is None:
-            if _TOP.match(line):
-                start = pos
-        elif line.strip() and not (line[0] in " \t-#" or _TOP.match(line)):
-            end = pos  # first column-0 line that cannot continue the spec: trailing prose
-            break
-        pos += len(line)
-    if start is None:
-        raise NoYamlError("no line starting with `agents:` and no ```yaml fence", "text")
-    return text[start:end if end is not None else len(text)], start
-
-
 # ---- parsing -------------------------------------------------------------------------------------------------------
 def parse_spec(text: str, *, base_roles: Iterable[str] | None = None, max_agents: int = MAX_AGENTS) -> Spec:
     """Parse and validate a spec (or an orchestrator completion that wraps one). Raises a SpecError subclass on any
@@ -228,50 +165,6 @@ def parse_spec(text: str, *, base_roles: Iterable[str] | None = None, max_agents
     if len(nodes) != 1:
         raise YamlSyntaxError(f"expected one YAML document, found {len(nodes)}", "yaml")
     return _build(nodes[0], text, off, roles, max_agents)
-
-
-def _span(node, off: int) -> Span:
-    # A block collection's end mark sits at the start of the next token: trim the trailing whitespace/newlines so the span
-    # covers the value's own characters only (the CF loss must not touch the next key's tokens).
-    buf = node.end_mark.buffer or ""
-    end = node.end_mark.index
-    if buf:
-        while end > node.start_mark.index and buf[end - 1] in " \t\r\n":
-            end -= 1
-    return (off + node.start_mark.index, off + end)
-
-
-def _mapping(node, where: str, seen: set[int]) -> dict[str, tuple]:
-    """A mapping node -> {key: (key_node, value_node)}, rejecting aliases, non-string keys and duplicate keys."""
-    if not isinstance(node, yaml.MappingNode):
-        raise NotMappingError(f"expected a mapping, got {_kind(node)}", where)
-    if node.tag != "tag:yaml.org,2002:map":
-        raise WrongTypeError(f"explicit tag {node.tag!r} is not allowed on a mapping", where)
-    _no_alias(node, where, seen)
-    out: dict[str, tuple] = {}
-    for k, v in node.value:
-        _no_alias(v, where, seen)
-        if not isinstance(k, yaml.ScalarNode) or k.tag != _STR_TAG:
-            raise WrongTypeError(f"keys must be strings, got {_kind(k)}", where)
-        if k.value in out:
-            raise UnknownFieldError(f"key {k.value!r} appears twice", where)
-        out[k.value] = (k, v)
-    return out
-
-
-def _no_alias(node, where: str, seen: set[int]) -> None:
-    # compose() returns the *same* node object for an alias; the spans of a shared node would be ambiguous.
-    if id(node) in seen:
-        raise YamlSyntaxError("anchors/aliases are not allowed in a spec", where)
-    seen.add(id(node))
-
-
-def _kind(node) -> str:
-    if isinstance(node, yaml.MappingNode):
-        return "a mapping"
-    if isinstance(node, yaml.SequenceNode):
-        return "a list"
-    return f"a scalar {node.tag.rsplit(':', 1)[-1]} {node.value[:30]!r}"
 
 
 def _string(node, where: str, name: str) -> str:
