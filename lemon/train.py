@@ -130,6 +130,9 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adap
     trainer = CFGRPOTrainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
                             train_dataset=Dataset.from_list(rows), rewarder=rewarder)
     trainer.add_callback(CFStateCallback(rewarder, out / "metrics.jsonl", verbose=progress))
+    if text_mode():  # headless: the callback's one line per step replaces the Trainer's dump of every logged key
+        from transformers.trainer_callback import PrinterCallback
+        trainer.remove_callback(PrinterCallback)
     ckpt = latest_checkpoint(out / "grpo")
     if ckpt is not None:
         load_cf_state(rewarder, ckpt)

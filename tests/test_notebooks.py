@@ -45,7 +45,7 @@ def _rows(out, cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.study  # opt-in (`pytest -m study`) until its CI time is measured; see LOG.md
+@pytest.mark.study  # select alone with `pytest -m study`
 @pytest.mark.timeout(3600)  # the whole smoke study (target <= 25 min on 2 idle cores) + a resume + nbval
 def test_smoke_study_end_to_end(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke") / "study"
