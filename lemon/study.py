@@ -254,6 +254,7 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
     and config is skipped. A failing cell stops the study: the notebook, cell and error are printed, exit status 1."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
+    from nbclient.exceptions import DeadKernelError
     from .plots import write_summary
     paths = StudyPaths(resolve_out_dir(profile, out_dir, resume))
     cfg = study_preset(profile, seed=seed)
@@ -288,6 +289,13 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
             print(f"\nstudy FAILED in notebook {nb}.ipynb, cell {e.cell_index} (execution count {e.exec_count}): "
                   f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"
                   f"  fix it and resume with: scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except DeadKernelError:
+            # no Python traceback exists: the kernel process itself was killed (most often by the kernel's OOM killer;
+            # the cpu profile peaks at ~14 GB RSS during CF-GRPO)
+            print(f"\nstudy FAILED in notebook {nb}.ipynb: its kernel died (killed from outside: out of memory? see "
+                  f"`dmesg | grep -i oom`)\n  partial notebook: {paths.root / (nb + '.ipynb')}\n  free memory and resume with: "
+                  f"scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         wall = round(time.perf_counter() - t0, 1)
         prev = timings.get(nb) or []

@@ -106,7 +106,7 @@ def test_missing_inputs_name_the_notebook(tmp_path):
         stages.train_variant(cfg, paths, "global", default_prompts(), pool=None)
 
 
-def _fake_papermill(monkeypatch, fail_in=None):
+def _fake_papermill(monkeypatch, fail_in=None, dead_in=None):
     import papermill
     from papermill.exceptions import PapermillExecutionError
     calls = []
@@ -116,6 +116,9 @@ def _fake_papermill(monkeypatch, fail_in=None):
         assert kernel_name == "python3" and set(parameters) == {"profile", "out_dir", "seed"}
         if Path(src).stem == fail_in:
             raise PapermillExecutionError(3, 4, "x = 1/0", "ZeroDivisionError", "division by zero", [])
+        if Path(src).stem == dead_in:
+            from nbclient.exceptions import DeadKernelError
+            raise DeadKernelError("Kernel died")
         Path(dst).write_text("{}")
     monkeypatch.setattr(papermill, "execute_notebook", fake)
     return calls
@@ -269,3 +272,15 @@ def test_edit_effects_rows_and_resume(prepared):
     assert all(r["d_score"] == r["score_edit"] - r["score_orig"] and r["spec"] != r["edited_spec"] for r in rows)
     again = stages.edit_effects(cfg, paths, prompts, pool, progress=False)
     assert len(again) == len(rows) == len(stages.read_rows(paths.edits))
+
+
+def test_a_killed_kernel_is_named_and_the_study_resumes(tmp_path, monkeypatch, capsys):
+    """An OOM-killed kernel leaves no traceback: the runner says so, names the notebook, and the rerun resumes there."""
+    _fake_papermill(monkeypatch, dead_in="02_train_grpo_lora")
+    with pytest.raises(SystemExit) as e:
+        study.run_study("smoke", tmp_path / "s", log_output=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "02_train_grpo_lora.ipynb: its kernel died" in err and "oom" in err and "--out" in err
+    calls = _fake_papermill(monkeypatch)
+    study.run_study("smoke", tmp_path / "s", log_output=False)
+    assert calls == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
