@@ -88,8 +88,10 @@ def train_preset(profile: str, **overrides) -> TrainConfig:
                           max_agents=3, worker_max_tokens={"small": 16, "medium": 24, "large": 32}, save_steps=1,
                           learning_rate=1e-4, temperature=0.6)  # a 135M policy at T=1 writes almost no valid spec
     elif profile == "cpu":
-        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, sized from measured step times.
-        cfg = TrainConfig(profile="cpu")
+        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers. Sized from the `cpu` study's measured unit
+        # times (2026-11-30, LOG.md): CF-GRPO 215-333 s per step of 4 rollouts, so 8 steps ~37 min; with the warm start
+        # below (16 questions at ~100 s each ~27 min, probes + SFT ~5 min) `lemon train --profile cpu` is ~70 min.
+        cfg = TrainConfig(profile="cpu", max_steps=8)
     elif profile == "paper":
         # One GPU with internet: Qwen2.5-7B policy via Unsloth; workers served by vLLM (edit base_url/models to your server).
         cfg = TrainConfig(profile="paper", policy=PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="auto"),
@@ -111,7 +113,7 @@ def sft_preset(profile: str, **overrides) -> SFTConfig:
         cfg = SFTConfig(questions=8, candidates_per_question=2, keep_per_question=2, filter_by_execution=False, max_agents=3, epochs=3.0, probe_questions=2,
                         learning_rate=5e-4, batch_size=2)
     elif profile == "cpu":
-        cfg = SFTConfig(questions=24, candidates_per_question=2, use_orchestrator=True, filter_by_execution=True,
+        cfg = SFTConfig(questions=16, candidates_per_question=2, use_orchestrator=True, filter_by_execution=True,
                         keep_per_question=1, max_agents=4, epochs=3.0, learning_rate=2e-4)
     elif profile == "paper":
         cfg = SFTConfig(questions=2000, candidates_per_question=4, use_orchestrator=True, filter_by_execution=True,
