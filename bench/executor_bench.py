@@ -29,13 +29,17 @@ from lemon.workers import LlamaCppBackend, WorkerPool
 
 
 class Sequential:
-    """Wraps a backend so the executor sees max_concurrency 1 (for the sequential arm of the concurrency figure)."""
+    """Wraps a backend so that it and every other backend wrapped with the same `lock` run one call at a time (the
+    sequential arm of the concurrency figure). max_concurrency 1 alone is not enough: the executor bounds concurrency per
+    backend, so two handles of different models would still overlap."""
 
-    def __init__(self, b):
+    def __init__(self, b, lock: threading.Lock):
         self.b, self.model, self.max_concurrency, self.backend = b, b.model, 1, getattr(b, "backend", "llama_cpp")
+        self.lock = lock
 
     def chat(self, m, p):
-        return self.b.chat(m, p)
+        with self.lock:
+            return self.b.chat(m, p)
 
     def close(self):
         pass
@@ -73,11 +77,11 @@ def main():
     if "concurrency" in only:
         from lemon.spec import spec_from_dict
         one = {c: LlamaCppBackend.shipped(m, n_threads=1) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
-        lock = threading.Lock()
+        lock, seq = threading.Lock(), threading.Lock()
         allc = {c: LlamaCppBackend.shipped(m, cpu_lock=lock) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
         for lad in (one, allc):
             lad["large"] = lad["medium"]
-        designs = (("1 thread/handle, concurrent", one), ("1 thread/handle, sequential", {c: Sequential(b) for c, b in one.items()}),
+        designs = (("1 thread/handle, concurrent", one), ("1 thread/handle, sequential", {c: Sequential(b, seq) for c, b in one.items()}),
                    (f"{allc['small'].n_threads} threads/decode, one CPU lock", allc))
         for name in ("tree", "complete"):
             d = baseline_spec(name, "math", n_agents=4, capacity="small").to_dict()
