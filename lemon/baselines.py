@@ -58,8 +58,9 @@ def _agent(aid: str, base_role: str, role: str, duty: str, capacity: str, deps=(
     return {"id": aid, "base_role": base_role, "role": role, "duty": duty, "capacity": capacity, "depends_on": list(deps)}
 
 
-def _edges(name: str, n: int, seed: int) -> list[list[int]]:
-    """parents[i] for agents 0..n-1 (agent n-1 is the final one); every edge points from an earlier to a later agent."""
+def _edges(name: str, n: int, seed: int, draw: str = "") -> list[list[int]]:
+    """parents[i] for agents 0..n-1 (agent n-1 is the final one); every edge points from an earlier to a later agent.
+    `draw` keys the random DAG (run_baseline passes the example id, so Random is a fresh seeded DAG per question)."""
     if name == "chain":
         return [[]] + [[i - 1] for i in range(1, n)]
     if name == "complete":
@@ -73,7 +74,7 @@ def _edges(name: str, n: int, seed: int) -> list[list[int]]:
         return parents + [list(range(n_leaf, n - 1))]
     # random: each earlier->later edge with p=1/2, then every agent without a child gets one later child, so every
     # agent reaches the final one (induction from the back: agent n-2 can only point at n-1).
-    rng = random.Random(f"lemon-random-dag/{seed}/{n}")
+    rng = random.Random(f"lemon-random-dag/{seed}/{n}/{draw}")
     parents = [[j for j in range(i) if rng.random() < 0.5] for i in range(n)]
     for j in range(n - 1):
         if not any(j in parents[i] for i in range(j + 1, n)):
@@ -82,8 +83,9 @@ def _edges(name: str, n: int, seed: int) -> list[list[int]]:
 
 
 def baseline_spec(name: str, domain: str, *, capacity: str = "medium", n_agents: int = 4, seed: int = 0,
-                  prompts: Prompts | None = None) -> Spec:
-    """The spec of a baseline (for sc-cot: the single CoT spec that run_baseline samples k times). Validated by parse_spec."""
+                  prompts: Prompts | None = None, draw: str = "") -> Spec:
+    """The spec of a baseline (for sc-cot: the single CoT spec that run_baseline samples k times). Validated by parse_spec.
+    `draw` only matters for `random`: it keys the DAG together with `seed` (see _edges)."""
     prompts = prompts or default_prompts()
     _check(name, domain, n_agents, prompts)
     duty = prompts.default_duty
@@ -92,7 +94,7 @@ def baseline_spec(name: str, domain: str, *, capacity: str = "medium", n_agents:
         role = "Direct solver" if name == "vanilla" else "Step-by-step solver"
         agents = [_agent("solve", SOLVER[domain], role, d, capacity)]
     else:
-        parents = _edges(name, n_agents, seed)
+        parents = _edges(name, n_agents, seed, draw)
         workers = WORKER_ROLES[domain]
         agg = set(range(n_agents - 1 - max(1, (n_agents - 1) // 3), n_agents - 1)) if name == "tree" else set()
         agents = []
@@ -117,6 +119,11 @@ def majority_vote(answers: list[str | None]) -> int | None:
     return next(i for i, a in enumerate(answers) if a is not None and counts[a] == top)
 
 
+def random_draw(example) -> str:
+    """The key of the Random baseline's DAG for one example (its id), so reruns and resumes redraw the same DAG."""
+    return str(example.id)
+
+
 def run_baseline(name: str, example, benchmark, pool, *, prompts: Prompts, capacity: str = "medium", n_agents: int = 4,
                  k: int = 5, seed: int = 0, cache: NodeCache | None = None, caps: ExecutorCaps | None = None, meter=None,
                  temperature: float = SC_COT_TEMPERATURE) -> Trace:
@@ -124,7 +131,10 @@ def run_baseline(name: str, example, benchmark, pool, *, prompts: Prompts, capac
     one Trace: all samples' agents (ids prefixed s<i>/), summed tokens and latency, answer = majority vote, score = the score of
     the representative sample (the earliest with the voted answer). Any sample's error is reported, and scores the vote 0."""
     caps = caps or ExecutorCaps()
-    spec = baseline_spec(name, benchmark.domain, capacity=capacity, n_agents=n_agents, seed=seed, prompts=prompts)
+    # One fixed Random DAG per run would be one more fixed topology (with 3 agents, seed 0 drew exactly Complete's DAG in
+    # the 2026-11-30 cpu study); a seeded DAG per question makes Random what it claims to be: a random-topology baseline.
+    spec = baseline_spec(name, benchmark.domain, capacity=capacity, n_agents=n_agents, seed=seed, prompts=prompts,
+                         draw=random_draw(example))
     if name != "sc-cot":
         return execute(spec, example, benchmark, pool, prompts=prompts, cache=cache, caps=caps, seed=seed, meter=meter)
     if k < 1:

@@ -267,9 +267,12 @@ def write_summary(cfg, paths) -> Path:
     if (root / "timings.json").exists():
         tm = json.loads((root / "timings.json").read_text())
         tm = {nb: v if isinstance(v, list) else [v] for nb, v in tm.items()}
-        md += ["## Wall time (notebook executions, seconds; a resumed notebook adds an execution)", "",
-               md_table(pd.DataFrame([{"notebook": nb, "executions": " + ".join(f"{x:.0f}" for x in v), "total_s": sum(v)}
-                                      for nb, v in tm.items()]), "{:.0f}"), ""]
+        secs = lambda x: x["s"] if isinstance(x, dict) else x  # noqa: E731  (a dict = an execution that stopped early)
+        text = lambda x: f"{x['s']:.0f} ({x['stopped']})" if isinstance(x, dict) else f"{x:.0f}"  # noqa: E731
+        rows = [{"notebook": nb, "executions": " + ".join(map(text, v)), "total_s": sum(map(secs, v))} for nb, v in tm.items()]
+        rows.append({"notebook": "all", "executions": "", "total_s": sum(r["total_s"] for r in rows)})
+        md += ["## Wall time (notebook executions, seconds; a resumed notebook adds an execution; a runner killed outright "
+               "records nothing)", "", md_table(pd.DataFrame(rows), "{:.0f}"), ""]
     p = root / "summary.md"
     p.write_text("\n".join(md) + "\n")
     return p

@@ -247,6 +247,16 @@ def study_manifest(cfg: StudyConfig) -> dict:
                                  "protocol": cfg.protocol, "data_dir": str(root)})
 
 
+def _record_time(paths: StudyPaths, timings: dict, nb: str, t0: float, stopped: str | None = None) -> float:
+    """Append one execution of `nb` to timings.json: seconds for a finished one, {"s", "stopped"} for one that failed or
+    was interrupted, so a study's total wall time counts the work that was lost too (a SIGKILLed runner records nothing)."""
+    wall = round(time.perf_counter() - t0, 1)
+    prev = timings.get(nb) or []
+    timings[nb] = [*(prev if isinstance(prev, list) else [prev]), wall if stopped is None else {"s": wall, "stopped": stopped}]
+    write_json(paths.root / "timings.json", timings)
+    return wall
+
+
 def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, seed: int = 0,
               notebooks: tuple[str, ...] = NOTEBOOKS, log_output: bool = True) -> Path:
     """Execute the notebooks in order with papermill into the study folder; a notebook that finished with the same source
@@ -285,21 +295,23 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
                                 progress_bar=False, stdout_file=sys.stdout if log_output else None,
                                 stderr_file=sys.stderr if log_output else None)
         except PapermillExecutionError as e:
+            _record_time(paths, timings, nb, t0, f"failed in cell {e.cell_index}")
             print(f"\nstudy FAILED in notebook {nb}.ipynb, cell {e.cell_index} (execution count {e.exec_count}): "
                   f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"
                   f"  fix it and resume with: scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        except KeyboardInterrupt:
+            _record_time(paths, timings, nb, t0, "interrupted")
+            raise
         except DeadKernelError:
+            _record_time(paths, timings, nb, t0, "kernel died")
             # no Python traceback exists: the kernel process itself was killed (most often by the kernel's OOM killer;
             # the cpu profile peaks at ~14 GB RSS during CF-GRPO)
             print(f"\nstudy FAILED in notebook {nb}.ipynb: its kernel died (killed from outside: out of memory? see "
                   f"`dmesg | grep -i oom`)\n  partial notebook: {paths.root / (nb + '.ipynb')}\n  free memory and resume with: "
                   f"scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        wall = round(time.perf_counter() - t0, 1)
-        prev = timings.get(nb) or []
-        timings[nb] = [*(prev if isinstance(prev, list) else [prev]), wall]  # one entry per execution
-        write_json(paths.root / "timings.json", timings)
+        wall = _record_time(paths, timings, nb, t0)
         write_json(marker, {"key": key, "wall_s": wall, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
         print(f"[{nb}] done in {wall:.0f} s", flush=True)
     if set(NOTEBOOKS) <= {p.stem for p in paths.done.glob("*.json")}:

@@ -57,6 +57,11 @@ def test_random_is_seeded_and_connected():
             assert all(s.index(p) < s.index(c) for p, c in s.edges())
         if n >= 3:
             assert len({tuple(s.edges()) for s in specs}) > 1  # the seed matters
+    # run_baseline draws one DAG per question (keyed by the example id): same id -> same DAG, ids vary the DAG
+    per_q = [baseline_spec("random", "math", n_agents=3, seed=0, draw=f"gsm8k/test/{i}") for i in range(12)]
+    assert per_q[5] == baseline_spec("random", "math", n_agents=3, seed=0, draw="gsm8k/test/5")
+    assert len({tuple(s.edges()) for s in per_q}) > 1
+    assert any(tuple(s.edges()) != tuple(baseline_spec("complete", "math", n_agents=3).edges()) for s in per_q)
 
 
 def test_errors():

@@ -64,6 +64,18 @@ def test_spec_file_and_orchestrator_methods(tmp_path):
     assert s["invalid_specs"] == 2 and all(r["spec_error"].startswith("[no_yaml]") and not r["correct"] for r in rows)
 
 
+def test_random_rows_keep_the_dag_each_question_ran(tmp_path):
+    """Random draws one seeded DAG per question; the row keeps it (other baselines' specs are fixed by name)."""
+    from lemon.baselines import baseline_spec
+    P = default_prompts()
+    run_eval(EvalConfig(method="random", benchmark="gsm8k", limit=4, n_agents=4), fake_pool(), P, tmp_path, progress=False)
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert len(rows) == 4 and all(r["spec"] for r in rows)
+    for r in rows:
+        want = baseline_spec("random", "math", n_agents=4, seed=0, prompts=P, draw=r["id"])
+        assert r["spec"] == want.to_yaml() and r["agents"] == 4
+
+
 def test_bad_names_are_clear_errors():
     from lemon.baselines import UnknownMethodError
     from lemon.benchmarks import UnknownBenchmarkError

@@ -132,6 +132,8 @@ def test_run_study_skips_finished_notebooks_and_names_a_failing_cell(tmp_path, m
     err = capsys.readouterr().err
     assert "03_ablations.ipynb, cell 3" in err and "ZeroDivisionError: division by zero" in err and "--out" in err
     assert calls == ["01_prepare_data", "02_train_grpo_lora", "03_ablations"]
+    lost = json.loads((tmp_path / "s" / "timings.json").read_text())["03_ablations"]  # the failed execution is counted
+    assert len(lost) == 1 and lost[0]["stopped"] == "failed in cell 3" and lost[0]["s"] >= 0
     calls2 = _fake_papermill(monkeypatch)
     out = study.run_study("smoke", tmp_path / "s", log_output=False)  # resume: 01 and 02 are done
     assert calls2 == ["03_ablations", "04_evaluate"]
@@ -139,6 +141,9 @@ def test_run_study_skips_finished_notebooks_and_names_a_failing_cell(tmp_path, m
     assert man["git"] and man["seeds"]["study"] == 0 and man["workers"]["small"]["sha256"]
     assert man["policy"]["sha256"] and any(k.endswith("gsm8k/test.jsonl") for k in man["data"])
     assert (out / "summary.md").exists() and (out / "timings.json").exists()
+    tm = json.loads((out / "timings.json").read_text())["03_ablations"]
+    assert isinstance(tm[0], dict) and isinstance(tm[1], float)  # stopped, then finished
+    assert "(failed in cell 3) + " in (out / "summary.md").read_text() and "| all |" in (out / "summary.md").read_text()
     calls3 = _fake_papermill(monkeypatch)
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls3 == []
@@ -281,6 +286,7 @@ def test_a_killed_kernel_is_named_and_the_study_resumes(tmp_path, monkeypatch, c
         study.run_study("smoke", tmp_path / "s", log_output=False)
     err = capsys.readouterr().err
     assert e.value.code == 1 and "02_train_grpo_lora.ipynb: its kernel died" in err and "oom" in err and "--out" in err
+    assert json.loads((tmp_path / "s" / "timings.json").read_text())["02_train_grpo_lora"][0]["stopped"] == "kernel died"
     calls = _fake_papermill(monkeypatch)
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
