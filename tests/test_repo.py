@@ -13,6 +13,7 @@ def test_ci_runs_readme_test_command():
     cmds = _readme_commands()
     assert len(cmds) >= 2, "README must open with two commands: setup + main job, then tests"
     assert cmds[0].startswith("bash scripts/setup.sh"), cmds[0]
+    assert "scripts/main.sh --profile cpu" in cmds[0], "the first command is the main job on the embedded default"
     ci = (ROOT / ".ci/run").read_text().splitlines()
     assert cmds[1] in ci, f"README's test command {cmds[1]!r} is not a line of .ci/run"
 
