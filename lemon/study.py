@@ -11,7 +11,9 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -300,9 +302,11 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
                   f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"
                   f"  fix it and resume with: scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through main()'s handler
             _record_time(paths, timings, nb, t0, "interrupted")
-            raise
+            print(f"\nstudy INTERRUPTED in notebook {nb}.ipynb (finished work is kept)\n  resume with: "
+                  f"scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         except DeadKernelError:
             _record_time(paths, timings, nb, t0, "kernel died")
             # no Python traceback exists: the kernel process itself was killed (most often by the kernel's OOM killer;
@@ -320,6 +324,10 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
     return paths.root
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lemon.study", description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
     p.add_argument("--profile", default="cpu", choices=PROFILES, help="smoke (CI, minutes) | cpu (2 cores, ~2 h) | paper (GPU)")
@@ -329,11 +337,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="do not stream cell outputs to the console")
     a = p.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # `kill <pid>` (SIGTERM) stops the study like Ctrl-C: the notebook and the resume command are printed, and the
+    # kernel is shut down by papermill's cleanup instead of being orphaned.
+    old = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     try:
         run_study(a.profile, a.out, a.resume, seed=a.seed, log_output=not a.quiet)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
     return 0
 
 

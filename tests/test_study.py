@@ -154,6 +154,23 @@ def test_run_study_skips_finished_notebooks_and_names_a_failing_cell(tmp_path, m
     assert calls4 == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
 
 
+def test_an_interrupt_names_the_notebook_and_the_resume_command(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM, which main() turns into the same KeyboardInterrupt) mid-notebook: exit 130, time recorded."""
+    import papermill
+
+    def interrupted(src, dst, **kw):
+        if Path(src).stem == "02_train_grpo_lora":
+            study._raise_interrupt(15, None)
+        Path(dst).write_text("{}")
+    monkeypatch.setattr(papermill, "execute_notebook", interrupted)
+    with pytest.raises(SystemExit) as e:
+        study.run_study("smoke", tmp_path / "s", log_output=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "INTERRUPTED in notebook 02_train_grpo_lora.ipynb" in err and "--out" in err
+    tm = json.loads((tmp_path / "s" / "timings.json").read_text())
+    assert tm["02_train_grpo_lora"][0]["stopped"] == "interrupted" and "03_ablations" not in tm
+
+
 def test_cli_main_rejects_conflicting_config(tmp_path, monkeypatch, capsys):
     _fake_papermill(monkeypatch)
     assert study.main(["--profile", "smoke", "--out", str(tmp_path), "--quiet"]) == 0
