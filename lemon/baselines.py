@@ -119,9 +119,13 @@ def majority_vote(answers: list[str | None]) -> int | None:
     return next(i for i, a in enumerate(answers) if a is not None and counts[a] == top)
 
 
-def random_draw(example) -> str:
-    """The key of the Random baseline's DAG for one example (its id), so reruns and resumes redraw the same DAG."""
-    return str(example.id)
+def example_spec(name: str, example, domain: str, *, prompts: Prompts, capacity: str = "medium", n_agents: int = 4,
+                 seed: int = 0) -> Spec:
+    """The spec a baseline runs on one example. Only Random depends on the example: its DAG is keyed by (seed, example id),
+    so reruns and resumes redraw the same DAG. One fixed Random DAG per run would be one more fixed topology (with 3 agents,
+    seed 0 drew exactly Complete's DAG in the 2026-11-30 cpu study); a DAG per question makes it a random-topology baseline."""
+    return baseline_spec(name, domain, capacity=capacity, n_agents=n_agents, seed=seed, prompts=prompts,
+                         draw=str(example.id) if name == "random" else "")
 
 
 def run_baseline(name: str, example, benchmark, pool, *, prompts: Prompts, capacity: str = "medium", n_agents: int = 4,
@@ -131,10 +135,7 @@ def run_baseline(name: str, example, benchmark, pool, *, prompts: Prompts, capac
     one Trace: all samples' agents (ids prefixed s<i>/), summed tokens and latency, answer = majority vote, score = the score of
     the representative sample (the earliest with the voted answer). Any sample's error is reported, and scores the vote 0."""
     caps = caps or ExecutorCaps()
-    # One fixed Random DAG per run would be one more fixed topology (with 3 agents, seed 0 drew exactly Complete's DAG in
-    # the 2026-11-30 cpu study); a seeded DAG per question makes Random what it claims to be: a random-topology baseline.
-    spec = baseline_spec(name, benchmark.domain, capacity=capacity, n_agents=n_agents, seed=seed, prompts=prompts,
-                         draw=random_draw(example))
+    spec = example_spec(name, example, benchmark.domain, prompts=prompts, capacity=capacity, n_agents=n_agents, seed=seed)
     if name != "sc-cot":
         return execute(spec, example, benchmark, pool, prompts=prompts, cache=cache, caps=caps, seed=seed, meter=meter)
     if k < 1:

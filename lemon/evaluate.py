@@ -17,7 +17,7 @@ from pathlib import Path
 from .progress import bar as tqdm
 
 from . import benchmarks as B
-from .baselines import BASELINES, UnknownMethodError, baseline_spec, random_draw, run_baseline
+from .baselines import BASELINES, UnknownMethodError, example_spec, run_baseline
 from .executor import ExecutorCaps, NodeCache, Trace, execute
 from .manifest import build_manifest, write_json
 from .orchestrator import OrchestratorConfig, PoolSpecWriter
@@ -167,8 +167,8 @@ def _evaluate_one(cfg, ex, bench, pool, prompts, caps, writer, cache, fixed_spec
         trace = run_baseline(cfg.method, ex, bench, pool, prompts=prompts, capacity=cfg.capacity, n_agents=cfg.n_agents,
                              k=cfg.k, seed=cfg.seed, cache=cache, caps=caps)
         if cfg.method == "random":  # the DAG differs per question: keep the one that ran
-            spec_text = baseline_spec("random", bench.domain, capacity=cfg.capacity, n_agents=cfg.n_agents, seed=cfg.seed,
-                                      prompts=prompts, draw=random_draw(ex)).to_yaml()
+            spec_text = example_spec("random", ex, bench.domain, prompts=prompts, capacity=cfg.capacity,
+                                     n_agents=cfg.n_agents, seed=cfg.seed).to_yaml()
     else:
         spec = fixed_spec
         if spec is None:  # the prompted orchestrator writes one spec per task

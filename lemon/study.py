@@ -130,9 +130,9 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
         cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
     elif profile == "cpu":
-        # Embedded default on 2 cores. MEASURED so far (2026-11-30, llama.cpp on both cores, LOG.md): 01 4 s; 02 ~40 min
-        # (SFT corpus on 8 questions 13.4 min, valid-rate probes 2 x 2.3 min, SFT 3 steps ~2 min, 4 CF-GRPO steps 215-333 s
-        # each). 03 / 04 ESTIMATED at ~40 / ~50 min (5 one-step variants + their evals; 9 methods x 6 benchmarks x 2 q).
+        # Embedded default on 2 cores. MEASURED (2026-11-30, llama.cpp on both cores, LOG.md; summed over resumes): 01 7 s;
+        # 02 ~39 min (SFT corpus on 8 questions 13.4 min, valid-rate probes 2 x 2.3 min, SFT 3 steps ~2 min, 4 CF-GRPO steps
+        # 215-333 s each); 03 ~25 min; 04 ~57 min (9 methods x 6 benchmarks x 2 questions). About 2 h in all.
         cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed)
     elif profile == "paper":  # one GPU + vLLM workers: full eval pools, Table-2 ablation at 300 steps on 200 MMLU / GSM8K questions
         cfg = StudyConfig("paper", train, sft, seed=seed, eval_n=None, n_agents=4, sc_k=5, orchestrator_max_tokens=1024,
