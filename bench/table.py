@@ -28,11 +28,23 @@ def main(root: str) -> None:
             lo, hi = s["ci95"]
             out.append(f"{s['accuracy']:.2f} [{lo:.2f}-{hi:.2f}], {s['mean_worker_tokens']:.0f} tok, n={s['n']}")
         print(f"| {m} | " + " | ".join(out) + " |")
-    any_manifest = next(iter(cells.values()))[1]
-    models = {c: w.get("model") for c, w in any_manifest["workers"].items()}
-    print(f"\nsplit: gsm8k/test (seeded sample, seed {any_manifest['config']['eval']['seed']}); workers: {models}; "
-          f"git {any_manifest['git']}; prompts {any_manifest['prompts_sha256'][:12]}")
-
+    # cells may come from different commits (the table is filled over sessions, resumably); what makes them comparable is
+    # the same prompts, worker weights and question sample, so say so when they agree and stop when they do not
+    manifests = {f"{c}-{m}": man for (m, c), (_, man) in cells.items()}
+    for what, get in (("prompts", lambda man: man["prompts_sha256"]),
+                      ("worker weights", lambda man: {c: w.get("sha256") for c, w in man["workers"].items()}),
+                      ("question sample", lambda man: man["config"]["example_ids_sha256"])):
+        if len({json.dumps(get(man), sort_keys=True) for man in manifests.values()}) > 1:
+            sys.exit(f"cells are not comparable: their {what} differ ({', '.join(sorted(manifests))})")
+    first = next(iter(manifests.values()))
+    models = {c: w.get("model") for c, w in first["workers"].items()}
+    commits = {}
+    for name, man in sorted(manifests.items()):
+        commits.setdefault(man["git"][:7] + ("+dirty" if man["git"].endswith("+dirty") else ""), []).append(name)
+    print(f"\nsplit: gsm8k/test (seeded sample, seed {first['config']['eval']['seed']}, same {len(manifests)} cells: "
+          f"prompts {first['prompts_sha256'][:12]}, question ids {first['config']['example_ids_sha256'][:12]}); "
+          f"workers: {models}")
+    print("commits: " + "; ".join(f"{sha} ({', '.join(names)})" for sha, names in commits.items()))
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "outputs/bench/baselines")
