@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first honest baseline table (issue 3 §5): CoT, SC-CoT, Chain, Complete on N seeded GSM8K test questions at each
 # capacity of the embedded ladder (small = SmolLM2-135M, medium = Qwen2.5-Coder-0.5B, large = Qwen2.5-Coder-1.5B; llama.cpp).
-# Resumable: every cell is a `python -m lemon eval` run folder; rerunning skips finished rows. Then prints the table.
+# Resumable: every cell is a `python -m lemon eval` run folder; rerunning skips finished rows. Then prints the table and
+# plots accuracy (95% CI) against tokens per question to $OUT/accuracy_vs_tokens.png.
 #   bash bench/baseline_table.sh [N=30] [OUT=outputs/bench/baselines] [CAPACITIES="small medium large"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +16,4 @@ for method in cot chain complete sc-cot; do
       --capacity "$cap" --n-agents 4 --k 3 --out "$OUT/$cap-$method" --quiet
   done
 done
-.venv/bin/python bench/table.py "$OUT"
+.venv/bin/python bench/table.py "$OUT" --plot "$OUT/accuracy_vs_tokens.png"

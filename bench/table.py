@@ -1,5 +1,6 @@
 """Print a markdown table (method x capacity: accuracy with 95% CI, mean worker tokens per question, n) from eval run
-folders named <capacity>-<method> under a directory. Usage: python bench/table.py outputs/bench/baselines"""
+folders named <capacity>-<method> under a directory. Usage: python bench/table.py outputs/bench/baselines [--plot accuracy_vs_tokens.png]
+(the plot: accuracy with its 95% CI against mean worker tokens, colour = method, marker = capacity)"""
 import json
 import sys
 from pathlib import Path
@@ -7,7 +8,30 @@ from pathlib import Path
 from lemon.evaluate import read_rows, summarize
 
 
-def main(root: str) -> None:
+def plot(cells: dict, path: str) -> None:
+    from lemon.plots import _plt, save
+    plt, _ = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    methods = list(dict.fromkeys(m for m, _ in cells))
+    markers = {"small": "v", "medium": "o", "large": "^"}
+    for (m, c), (s, _) in cells.items():
+        lo, hi = s["ci95"]
+        colour = f"C{methods.index(m)}"
+        ax.errorbar(s["mean_worker_tokens"], s["accuracy"], yerr=[[s["accuracy"] - lo], [hi - s["accuracy"]]],
+                    fmt=markers[c], color=colour, ms=8, capsize=3, alpha=0.85)
+        ax.annotate(f"{m}/{c[0]} n={s['n']}", (s["mean_worker_tokens"], s["accuracy"]), fontsize=7,
+                    xytext=(5, 3), textcoords="offset points")
+    for c, mk in markers.items():  # legend entries: one per capacity, one per method
+        ax.plot([], [], mk, color="gray", label=f"capacity {c}")
+    for i, m in enumerate(methods):
+        ax.plot([], [], "s", color=f"C{i}", label=m)
+    ax.set(xlabel="mean worker tokens per question", ylabel="accuracy (95% Wilson CI)",
+           title="GSM8K test, seeded sample: baselines x capacity")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    print(f"plot: {save(fig, path)}")
+
+
+def main(root: str, plot_path: str | None = None) -> None:
     cells = {}
     for d in sorted(Path(root).iterdir()):
         rows = read_rows(d / "results.jsonl")
@@ -15,7 +39,9 @@ def main(root: str) -> None:
             cap, method = d.name.split("-", 1)
             cells[(method, cap)] = (summarize(rows), json.loads((d / "manifest.json").read_text()))
     caps = [c for c in ("small", "medium", "large") if any(k[1] == c for k in cells)]
-    methods = list(dict.fromkeys(k[0] for k in cells))
+    order = ["vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random"]  # the issue's order, then any other
+    methods = sorted(dict.fromkeys(k[0] for k in cells), key=lambda m: (order.index(m) if m in order else len(order), m))
+    cells = {k: cells[k] for m in methods for k in cells if k[0] == m}
     print("| method | " + " | ".join(caps) + " |")
     print("|---|" + "---|" * len(caps))
     for m in methods:
@@ -44,7 +70,17 @@ def main(root: str) -> None:
     print(f"\nsplit: gsm8k/test (seeded sample, seed {first['config']['eval']['seed']}, same {len(manifests)} cells: "
           f"prompts {first['prompts_sha256'][:12]}, question ids {first['config']['example_ids_sha256'][:12]}); "
           f"workers: {models}")
-    print("commits: " + "; ".join(f"{sha} ({', '.join(names)})" for sha, names in commits.items()))
+    print("commits (of each cell's first execution; a resumed cell may have finished on a later one): " + "; ".join(f"{sha} ({', '.join(names)})" for sha, names in commits.items()))
+    if plot_path:
+        plot(cells, plot_path)
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "outputs/bench/baselines")
+    args = sys.argv[1:]
+    plot_to = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        if i + 1 >= len(args):
+            sys.exit("--plot needs a file name, e.g. --plot accuracy_vs_tokens.png")
+        plot_to = args[i + 1]
+        del args[i:i + 2]
+    main(args[0] if args else "outputs/bench/baselines", plot_to)
