@@ -14,7 +14,7 @@ def plot(cells: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 5))
     methods = list(dict.fromkeys(m for m, _ in cells))
     markers = {"small": "v", "medium": "o", "large": "^"}
-    for (m, c), (s, _) in cells.items():
+    for (m, c), (s, _, _) in cells.items():
         lo, hi = s["ci95"]
         colour = f"C{methods.index(m)}"
         ax.errorbar(s["mean_worker_tokens"], s["accuracy"], yerr=[[s["accuracy"] - lo], [hi - s["accuracy"]]],
@@ -37,7 +37,7 @@ def main(root: str, plot_path: str | None = None) -> None:
         rows = read_rows(d / "results.jsonl")
         if rows and "-" in d.name:
             cap, method = d.name.split("-", 1)
-            cells[(method, cap)] = (summarize(rows), json.loads((d / "manifest.json").read_text()))
+            cells[(method, cap)] = (summarize(rows), json.loads((d / "manifest.json").read_text()), rows)
     caps = [c for c in ("small", "medium", "large") if any(k[1] == c for k in cells)]
     order = ["vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random"]  # the issue's order, then any other
     methods = sorted(dict.fromkeys(k[0] for k in cells), key=lambda m: (order.index(m) if m in order else len(order), m))
@@ -56,7 +56,7 @@ def main(root: str, plot_path: str | None = None) -> None:
         print(f"| {m} | " + " | ".join(out) + " |")
     # cells may come from different commits (the table is filled over sessions, resumably); what makes them comparable is
     # the same prompts, worker weights and question sample, so say so when they agree and stop when they do not
-    manifests = {f"{c}-{m}": man for (m, c), (_, man) in cells.items()}
+    manifests = {f"{c}-{m}": man for (m, c), (_, man, _) in cells.items()}
     for what, get in (("prompts", lambda man: man["prompts_sha256"]),
                       ("worker weights", lambda man: {c: w.get("sha256") for c, w in man["workers"].items()}),
                       ("question sample", lambda man: man["config"]["example_ids_sha256"])):
@@ -71,8 +71,27 @@ def main(root: str, plot_path: str | None = None) -> None:
           f"prompts {first['prompts_sha256'][:12]}, question ids {first['config']['example_ids_sha256'][:12]}); "
           f"workers: {models}")
     print("commits (of each cell's first execution; a resumed cell may have finished on a later one): " + "; ".join(f"{sha} ({', '.join(names)})" for sha, names in commits.items()))
+    paired(cells, methods, caps)
     if plot_path:
         plot(cells, plot_path)
+
+
+def paired(cells: dict, methods: list[str], caps: list[str], ref: str = "cot") -> None:
+    """Each method against CoT at the same capacity on the questions both answered: with CIs this wide, the discordant
+    pairs (right where CoT was wrong, and the reverse) say more than the accuracy gap."""
+    lines = []
+    for c in caps:
+        if (ref, c) not in cells:
+            continue
+        base = {r["id"]: r["correct"] for r in cells[(ref, c)][2]}
+        for m in methods:
+            if m == ref or (m, c) not in cells:
+                continue
+            pairs = [(r["correct"], base[r["id"]]) for r in cells[(m, c)][2] if r["id"] in base]
+            won, lost = sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs)
+            lines.append(f"{m}/{c}: +{won} -{lost} of {len(pairs)}")
+    if lines:
+        print(f"paired vs {ref} (same questions; +: right where {ref} was wrong, -: the reverse): " + "; ".join(lines))
 
 if __name__ == "__main__":
     args = sys.argv[1:]

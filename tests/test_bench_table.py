@@ -29,14 +29,18 @@ def test_table_cells_order_and_plot(tmp_path):
     _cell(tmp_path, "small-cot", [False] * 4, 300)
     _cell(tmp_path, "large-cot", [True, True, False, False], 400)
     _cell(tmp_path, "large-chain", [True], 1600)
+    _cell(tmp_path, "large-sc-cot", [False, False, True, True], 900)
     r = _table(tmp_path, "--plot", str(tmp_path / "p.png"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "| method | small | large |"
     # cot before chain (the issue's order, not the folders' alphabetical one); a missing cell is "-"
     assert lines[2].startswith("| cot | 0.00 [0.00-0.49], 300 tok, n=4 | 0.50 [0.15-0.85], 400 tok, n=4 |")
-    assert lines[3] == "| chain | - | 1.00 [0.21-1.00], 1600 tok, n=1 |"
-    assert "same 3 cells" in r.stdout and "0123456+dirty (large-chain, large-cot, small-cot)" in r.stdout
+    assert lines[3] == "| sc-cot | - | 0.50 [0.15-0.85], 900 tok, n=4 |"
+    assert lines[4] == "| chain | - | 1.00 [0.21-1.00], 1600 tok, n=1 |"
+    assert "same 4 cells" in r.stdout and "0123456+dirty (large-chain, large-cot, large-sc-cot, small-cot)" in r.stdout
+    # paired against CoT on the shared question ids: sc-cot right on 2, 3 where CoT was wrong, wrong on 0, 1 where it was right
+    assert "sc-cot/large: +2 -2 of 4; chain/large: +0 -0 of 1" in r.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
