@@ -25,6 +25,8 @@ def plot(cells: dict, path: str) -> None:
         ax.plot([], [], mk, color="gray", label=f"capacity {c}")
     for i, m in enumerate(methods):
         ax.plot([], [], "s", color=f"C{i}", label=m)
+    xmax = max(s["mean_worker_tokens"] for s, _, _ in cells.values())
+    ax.set_xlim(0, xmax * 1.25)  # room for the labels of the right-most points before the legend
     ax.set(xlabel="mean worker tokens per question", ylabel="accuracy (95% Wilson CI)",
            title="GSM8K test, seeded sample: baselines x capacity")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
