@@ -1,10 +1,13 @@
 """Print a markdown table (method x capacity: accuracy with 95% CI, mean worker tokens per question, n) from eval run
-folders named <capacity>-<method> under a directory. Usage: python bench/table.py outputs/bench/baselines [--plot accuracy_vs_tokens.png]
-(the plot: accuracy with its 95% CI against mean worker tokens, colour = method, marker = capacity)"""
+folders named <capacity>-<method> under a directory, and optionally plot accuracy (95% CI) against mean worker tokens
+(colour = method, marker = capacity).
+Usage: python bench/table.py outputs/bench/baselines [--plot accuracy_vs_tokens.png]"""
+import argparse
 import json
 import sys
 from pathlib import Path
 
+from lemon.baselines import BASELINES
 from lemon.evaluate import read_rows, summarize
 
 
@@ -41,8 +44,9 @@ def main(root: str, plot_path: str | None = None) -> None:
             cap, method = d.name.split("-", 1)
             cells[(method, cap)] = (summarize(rows), json.loads((d / "manifest.json").read_text()), rows)
     caps = [c for c in ("small", "medium", "large") if any(k[1] == c for k in cells)]
-    order = ["vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random"]  # the issue's order, then any other
-    methods = sorted(dict.fromkeys(k[0] for k in cells), key=lambda m: (order.index(m) if m in order else len(order), m))
+    # the baselines in the issue's order (lemon.baselines.BASELINES), then anything else (e.g. a spec file) by name
+    rank = lambda m: (BASELINES.index(m) if m in BASELINES else len(BASELINES), m)  # noqa: E731
+    methods = sorted(dict.fromkeys(k[0] for k in cells), key=rank)
     cells = {k: cells[k] for m in methods for k in cells if k[0] == m}
     print("| method | " + " | ".join(caps) + " |")
     print("|---|" + "---|" * len(caps))
@@ -72,7 +76,8 @@ def main(root: str, plot_path: str | None = None) -> None:
     print(f"\nsplit: gsm8k/test (seeded sample, seed {first['config']['eval']['seed']}, same {len(manifests)} cells: "
           f"prompts {first['prompts_sha256'][:12]}, question ids {first['config']['example_ids_sha256'][:12]}); "
           f"workers: {models}")
-    print("commits (of each cell's first execution; a resumed cell may have finished on a later one): " + "; ".join(f"{sha} ({', '.join(names)})" for sha, names in commits.items()))
+    print("commits (of each cell's first execution; a resumed cell may have finished on a later one): "
+          + "; ".join(f"{sha} ({', '.join(names)})" for sha, names in commits.items()))
     paired(cells, methods, caps)
     if plot_path:
         plot(cells, plot_path)
@@ -95,13 +100,10 @@ def paired(cells: dict, methods: list[str], caps: list[str], ref: str = "cot") -
     if lines:
         print(f"paired vs {ref} (same questions; +: right where {ref} was wrong, -: the reverse): " + "; ".join(lines))
 
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    plot_to = None
-    if "--plot" in args:
-        i = args.index("--plot")
-        if i + 1 >= len(args):
-            sys.exit("--plot needs a file name, e.g. --plot accuracy_vs_tokens.png")
-        plot_to = args[i + 1]
-        del args[i:i + 2]
-    main(args[0] if args else "outputs/bench/baselines", plot_to)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", nargs="?", default="outputs/bench/baselines", help="folder of <capacity>-<method> eval runs")
+    ap.add_argument("--plot", metavar="PNG", help="also write the accuracy-vs-tokens plot here")
+    a = ap.parse_args()
+    main(a.root, a.plot)
