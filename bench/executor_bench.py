@@ -8,7 +8,7 @@ shared 2-core machine, so each figure says what it measured.
 2. concurrency: questions/minute for a 4-agent Tree spec (leaves on two different models can overlap) and a 4-agent Complete
    spec (a total order: nothing can overlap), in three designs: one thread per llama.cpp handle with a level's agents
    concurrent (one lock per handle), the same one at a time, and the default since 2026-11-30: every core per decode and one
-   CPU lock shared by the pool's handles (lemon.backends.LlamaCppBackend).
+   CPU lock shared by the pool's handles (lemon.run.backends.LlamaCppBackend).
 3. node cache: worker tokens to re-run random single-field edits of executed specs, with the cache vs without it (the
    cacheless cost is the edited spec's nominal tokens: every agent re-run).
 """
@@ -20,12 +20,12 @@ import threading
 import time
 
 from lemon import benchmarks as B
-from lemon.baselines import baseline_spec
-from lemon.edits import sample_edit
-from lemon.executor import ExecutorCaps, NodeCache, execute
+from lemon.eval.baselines import baseline_spec
+from lemon.train.edits import sample_edit
+from lemon.run.executor import ExecutorCaps, NodeCache, execute
 from lemon.prompts import default_prompts
-from lemon.sft import mutated_baseline
-from lemon.workers import LlamaCppBackend, WorkerPool
+from lemon.train.sft import mutated_baseline
+from lemon.run.workers import LlamaCppBackend, WorkerPool
 
 
 class Sequential:

@@ -7,12 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from lemon.baselines import BASELINES
-from lemon.evaluate import read_rows, summarize
+from lemon.eval.baselines import BASELINES
+from lemon.eval.runner import read_rows, summarize
 
 
 def plot(cells: dict, path: str) -> None:
-    from lemon.plots import _plt, save
+    from lemon.study.plots import _plt, save
     plt, _ = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 5))
     methods = list(dict.fromkeys(m for m, _ in cells))
@@ -44,7 +44,7 @@ def main(root: str, plot_path: str | None = None) -> None:
             cap, method = d.name.split("-", 1)
             cells[(method, cap)] = (summarize(rows), json.loads((d / "manifest.json").read_text()), rows)
     caps = [c for c in ("small", "medium", "large") if any(k[1] == c for k in cells)]
-    # the baselines in the order (lemon.baselines.BASELINES), then anything else (e.g. a spec file) by name
+    # the baselines in the order (lemon.eval.baselines.BASELINES), then anything else (e.g. a spec file) by name
     rank = lambda m: (BASELINES.index(m) if m in BASELINES else len(BASELINES), m)  # noqa: E731
     methods = sorted(dict.fromkeys(k[0] for k in cells), key=rank)
     cells = {k: cells[k] for m in methods for k in cells if k[0] == m}

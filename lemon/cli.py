@@ -5,11 +5,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .prompts import CAPACITIES, load_prompts
+from lemon.prompts import CAPACITIES, load_prompts
 
 
 def _pool(args):
-    from .workers import WorkerPool
+    from lemon.run.workers import WorkerPool
     if args.workers:
         text = Path(args.workers).read_text()
         import yaml
@@ -18,7 +18,7 @@ def _pool(args):
 
 
 def cmd_eval(args) -> int:
-    from .evaluate import EvalConfig, run_eval
+    from lemon.eval.runner import EvalConfig, run_eval
     cfg = EvalConfig(method=args.method, benchmark=args.benchmark, split=args.split, limit=args.limit, seed=args.seed,
                      capacity=args.capacity, n_agents=args.n_agents, k=args.k)
     prompts = load_prompts(args.prompts)
@@ -35,12 +35,12 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from . import benchmarks as B
-    from .baselines import baseline_spec
-    from .benchmarks import Example
-    from .executor import execute
-    from .orchestrator import propose_spec
-    from .spec import parse_spec
+    from lemon import benchmarks as B
+    from lemon.eval.baselines import baseline_spec
+    from lemon.benchmarks import Example
+    from lemon.run.executor import execute
+    from lemon.eval.orchestrator import propose_spec
+    from lemon.spec import parse_spec
     bench = B.get_benchmark(args.benchmark)
     prompts = load_prompts(args.prompts)
     ex = Example(id="cli/0", benchmark=args.benchmark, split="cli", question=args.question, gold=args.gold or "", meta={})
@@ -70,8 +70,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .config import sft_preset, train_preset
-    from .train import train, warm_start
+    from lemon.train.config import sft_preset, train_preset
+    from lemon.train.pipeline import train, warm_start
     over = {"cf_lambda": args.cf_lambda} if args.cf_lambda is not None else {}
     if args.max_steps:
         over["max_steps"] = args.max_steps
@@ -95,7 +95,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from . import benchmarks as B
+    from lemon import benchmarks as B
     for name in B.BENCHMARKS:
         for split in B.available_splits(name):
             n = len(B.load(name, split))

@@ -10,7 +10,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from .models import SHIPPED, file_sha256
+from lemon.run.models import SHIPPED, file_sha256
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "llama_cpp_python", "openai", "PyYAML")
 
@@ -39,7 +39,7 @@ def versions() -> dict[str, str]:
 
 def build_manifest(config: dict, *, prompts_sha256: str, workers: dict, data_files: list[Path] = (), seeds: dict | None = None,
                    extra: dict | None = None) -> dict:
-    """A JSON-able record of one run. Shipped models are named with the sha256 recorded in lemon.models."""
+    """A JSON-able record of one run. Shipped models are named with the sha256 recorded in lemon.run.models."""
     models = {}
     for cap, w in workers.items():
         name = w.get("model", "")

@@ -3,12 +3,12 @@ import itertools
 
 import pytest
 
-from lemon.baselines import BASELINES, UnknownMethodError, baseline_spec, majority_vote, run_baseline
+from lemon.eval.baselines import BASELINES, UnknownMethodError, baseline_spec, majority_vote, run_baseline
 from lemon.benchmarks import Example, get_benchmark
-from lemon.executor import NodeCache
+from lemon.run.executor import NodeCache
 from lemon.prompts import DOMAINS, default_prompts
 from lemon.spec import parse_spec
-from lemon.workers import FakeBackend, SamplingParams, WorkerPool
+from lemon.run.workers import FakeBackend, SamplingParams, WorkerPool
 
 P = default_prompts()
 GSM = get_benchmark("gsm8k")

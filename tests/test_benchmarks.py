@@ -2,7 +2,7 @@
 
 Needs the JSONL mirrors (``shared/data`` or ``$LEMON_DATA_DIR``); data-dependent tests
 are skipped when they are absent. The HumanEval test runs all 164 canonical solutions in
-the real sandbox (``lemon.sandbox``) and is marked ``slow``.
+the real sandbox (``lemon.run.sandbox``) and is marked ``slow``.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def test_extract_code_prefers_entry_point_block():
 @pytest.mark.slow
 @needs_data
 def test_humaneval_canonical_solutions_pass_in_sandbox():
-    sandbox = pytest.importorskip("lemon.sandbox")
+    sandbox = pytest.importorskip("lemon.run.sandbox")
     bench = get_benchmark("humaneval")
     exs = load("humaneval", "test")
     limits = sandbox.SandboxLimits(timeout_s=20)

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from lemon.edits import FAMILIES, FamilySampler, apply_edit, eligible_sites, sample_edit
+from lemon.train.edits import FAMILIES, FamilySampler, apply_edit, eligible_sites, sample_edit
 from lemon.prompts import default_prompts
 from lemon.spec import parse_spec
 

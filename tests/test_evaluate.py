@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lemon.evaluate import EvalConfig, read_rows, run_eval, wilson_ci
+from lemon.eval.runner import EvalConfig, read_rows, run_eval, wilson_ci
 from lemon.prompts import default_prompts
-from lemon.workers import FakeBackend, WorkerPool
+from lemon.run.workers import FakeBackend, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -66,7 +66,7 @@ def test_spec_file_and_orchestrator_methods(tmp_path):
 
 def test_random_rows_keep_the_dag_each_question_ran(tmp_path):
     """Random draws one seeded DAG per question; the row keeps it (other baselines' specs are fixed by name)."""
-    from lemon.baselines import baseline_spec
+    from lemon.eval.baselines import baseline_spec
     P = default_prompts()
     run_eval(EvalConfig(method="random", benchmark="gsm8k", limit=4, n_agents=4), fake_pool(), P, tmp_path, progress=False)
     rows = read_rows(tmp_path / "results.jsonl")
@@ -77,7 +77,7 @@ def test_random_rows_keep_the_dag_each_question_ran(tmp_path):
 
 
 def test_bad_names_are_clear_errors():
-    from lemon.baselines import UnknownMethodError
+    from lemon.eval.baselines import UnknownMethodError
     from lemon.benchmarks import UnknownBenchmarkError
     with pytest.raises(UnknownMethodError, match="vanilla, cot"):
         EvalConfig(method="magic", benchmark="gsm8k")

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from lemon.benchmarks import Example, get_benchmark
-from lemon.executor import ExecutorCaps, NodeCache, Trace, agent_seed, build_messages, execute, truncate
+from lemon.run.executor import ExecutorCaps, NodeCache, Trace, agent_seed, build_messages, execute, truncate
 from lemon.prompts import default_prompts
 from lemon.spec import spec_from_dict
-from lemon.workers import BackendUnavailableError, FakeBackend, SamplingParams, TokenMeter, WorkerPool
+from lemon.run.workers import BackendUnavailableError, FakeBackend, SamplingParams, TokenMeter, WorkerPool
 
 P = default_prompts()
 GSM = get_benchmark("gsm8k")
@@ -262,9 +262,9 @@ def test_disk_cache_survives_new_instance(tmp_path):
 @pytest.mark.slow
 def test_real_model_cot_and_chain_end_to_end():
     pytest.importorskip("llama_cpp")
-    from lemon.baselines import baseline_spec
+    from lemon.eval.baselines import baseline_spec
     from lemon.benchmarks import load
-    from lemon.workers import LlamaCppBackend
+    from lemon.run.workers import LlamaCppBackend
     backend = LlamaCppBackend.shipped("smollm2-135m")  # one handle shared by all capacities (serialized by its lock)
     pool = WorkerPool({c: backend for c in ("small", "medium", "large")},
                       {c: SamplingParams(max_tokens=64) for c in ("small", "medium", "large")})

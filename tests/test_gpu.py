@@ -31,10 +31,10 @@ def _tiny_model(path):
 
 
 def test_unsloth_cf_grpo_steps(tmp_path):
-    from lemon.config import train_preset
-    from lemon.policy import PolicyConfig
+    from lemon.train.config import train_preset
+    from lemon.train.policy import PolicyConfig
     from lemon.prompts import default_prompts
-    from lemon.train import train
+    from lemon.train.pipeline import train
     _tiny_model(tmp_path / "tiny")
     fake = {"backend": "fake", "model": "fake", "reply": "Answer: 18"}
     cfg = train_preset("smoke", policy=PolicyConfig(model=str(tmp_path / "tiny"), backend="unsloth", lora_r=4, lora_alpha=8,

@@ -6,16 +6,16 @@ from pathlib import Path
 import pytest
 
 from lemon import benchmarks as B
-from lemon.config import sft_preset, train_preset
-from lemon.edits import FamilySampler
-from lemon.executor import ExecutorCaps, NodeCache
+from lemon.train.config import sft_preset, train_preset
+from lemon.train.edits import FamilySampler
+from lemon.run.executor import ExecutorCaps, NodeCache
 from lemon.prompts import default_prompts
-from lemon.rewards import RewardConfig
-from lemon.workers import FakeBackend, WorkerPool
+from lemon.train.rewards import RewardConfig
+from lemon.run.workers import FakeBackend, WorkerPool
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
-from lemon.grpo import SpecRewarder  # noqa: E402
+from lemon.train.grpo import SpecRewarder  # noqa: E402
 
 P = default_prompts()
 SPEC = """agents:
@@ -38,7 +38,7 @@ final: solve
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
-    from lemon.policy import converted_dir
+    from lemon.train.policy import converted_dir
     return AutoTokenizer.from_pretrained(converted_dir("smollm2-135m"))
 
 
@@ -92,7 +92,7 @@ def _lora_state(path):
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # SFT warm start + 3 CF-GRPO steps on CPU (~10 min on 2 idle cores)
 def test_real_smoke_training_run_and_resume(tmp_path):
-    from lemon.train import train, warm_start
+    from lemon.train.pipeline import train, warm_start
     cfg = train_preset("smoke")
     sft = warm_start(cfg, sft_preset("smoke"), tmp_path / "sft", P, progress=False)
     assert sft["rows"] > 0 and sft["loss"][-1] < sft["loss"][0]

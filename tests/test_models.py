@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from lemon import models as M
+from lemon.run import models as M
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])

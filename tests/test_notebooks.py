@@ -9,8 +9,8 @@ import time
 import nbformat
 import pytest
 
-from lemon import study
-from lemon.evaluate import read_rows
+from lemon.study import runner as study
+from lemon.eval.runner import read_rows
 
 NB_DIR = study.ROOT / "notebooks"
 PLOTS = ("data_pools", "training_curves", "edit_effects", "ablation", "accuracy", "pareto")

@@ -1,4 +1,4 @@
-"""Adversarial tests for lemon.sandbox: every hostile program must be contained and cleaned up.
+"""Adversarial tests for lemon.run.sandbox: every hostile program must be contained and cleaned up.
 
 Most containment guarantees only exist when the evaluator runs as root (as in CI); those tests
 are skipped otherwise.
@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lemon import sandbox
-from lemon.sandbox import SandboxLimits, SandboxResult, run_python
+from lemon.run import sandbox
+from lemon.run.sandbox import SandboxLimits, SandboxResult, run_python
 
 ROOT = sys.platform.startswith("linux") and os.geteuid() == 0
 root_only = pytest.mark.skipif(not ROOT, reason="uid switch / netns / NPROC need root on Linux")
@@ -406,7 +406,7 @@ def test_non_root_fallback_still_runs_and_limits(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {REPO!r})
-        from lemon.sandbox import SandboxLimits, run_python
+        from lemon.run.sandbox import SandboxLimits, run_python
         print(run_python("print('hi')").status)
         print(run_python("while True: pass", SandboxLimits(timeout_s=1)).status)
         print(run_python("x = bytearray(4 << 30)").status)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from lemon import benchmarks as B
-from lemon import plots, stages, study
+from lemon.study import plots, stages
+from lemon.study import runner as study
 from lemon.prompts import CAPACITIES, default_prompts
-from lemon.workers import FakeBackend, WorkerPool
+from lemon.run.workers import FakeBackend, WorkerPool
 
 SPEC = """agents:
   - id: solve
@@ -239,7 +240,7 @@ def test_read_metrics_keeps_the_last_of_repeated_steps(tmp_path):
 
 def test_gallery_falls_back_to_yaml_without_widgets(monkeypatch):
     from lemon.spec import parse_spec
-    monkeypatch.setitem(sys.modules, "lemon.widgets", None)  # import fails
+    monkeypatch.setitem(sys.modules, "lemon.study.widgets", None)  # import fails
     spec = parse_spec(SPEC)
     [(title, shown)] = plots.spec_gallery([("t", spec)])
     assert title == "t" and "agents:" in shown

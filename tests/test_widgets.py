@@ -6,12 +6,12 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
 from lemon.benchmarks import Example, get_benchmark
-from lemon.edits import eligible_sites
-from lemon.executor import NodeCache, execute
+from lemon.train.edits import eligible_sites
+from lemon.run.executor import NodeCache, execute
 from lemon.prompts import CAPACITIES, default_prompts
 from lemon.spec import Agent, Spec, spec_from_dict
-from lemon.widgets import CAPACITY_COLORS, SpecInspector, agents_table, draw_spec
-from lemon.workers import FakeBackend, SamplingParams, WorkerPool
+from lemon.study.widgets import CAPACITY_COLORS, SpecInspector, agents_table, draw_spec
+from lemon.run.workers import FakeBackend, SamplingParams, WorkerPool
 
 P = default_prompts()
 GSM = get_benchmark("gsm8k")
@@ -193,7 +193,7 @@ def test_agents_table_escapes_html():
 def test_real_model_inspector_run():
     pytest.importorskip("llama_cpp")
     from lemon.benchmarks import load
-    from lemon.workers import LlamaCppBackend
+    from lemon.run.workers import LlamaCppBackend
     backend = LlamaCppBackend.shipped("smollm2-135m", n_ctx=2048)  # one handle for every capacity
     pool = WorkerPool({c: backend for c in CAPACITIES}, {c: SamplingParams(max_tokens=24) for c in CAPACITIES})
     try:

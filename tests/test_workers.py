@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from lemon.models import get_model
-from lemon.workers import (BackendError, BackendUnavailableError, Completion, FakeBackend, LlamaCppBackend,
+from lemon.run.models import get_model
+from lemon.run.workers import (BackendError, BackendUnavailableError, Completion, FakeBackend, LlamaCppBackend,
                            ModelUnavailableError, OpenAIBackend, SamplingParams, TokenMeter, TransformersBackend,
                            UnknownCapacityError, WorkerPool)
 
@@ -379,7 +379,7 @@ def test_transformers_backend_counts_tokens(tmp_path):
 def test_embedded_pool_uses_every_core_and_one_cpu_lock():
     """llama-cpp-python defaults to cpu_count // 2 threads (1 on a 2-core box); the pool uses all usable cores and
     serializes in-process decodes of different models on one lock so they never oversubscribe the CPU."""
-    from lemon.backends import usable_cores
+    from lemon.run.backends import usable_cores
     pool = WorkerPool.from_config({"small": {"backend": "llama_cpp", "model": "smollm2-135m"},
                                    "large": {"backend": "llama_cpp", "model": "smollm2-135m", "n_ctx": 2048}})
     try:

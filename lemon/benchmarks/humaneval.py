@@ -1,4 +1,4 @@
-"""HumanEval: turn a model reply into a program and run it in :mod:`lemon.sandbox`.
+"""HumanEval: turn a model reply into a program and run it in :mod:`lemon.run.sandbox`.
 
 Program assembly (cf. OpenAI ``human-eval/execution.py::check_correctness``, which runs
 ``prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"``):
@@ -81,7 +81,7 @@ def build_program(example: Example, completion: str, sentinel: str) -> str:
 
 def run_humaneval(example: Example, completion: str, limits: Any = None) -> Any:
     """Run the assembled program in the sandbox; returns the ``SandboxResult``."""
-    from lemon.sandbox import SandboxLimits, run_python  # lazy: written separately
+    from lemon.run.sandbox import SandboxLimits, run_python  # lazy: written separately
 
     if limits is None:
         limits = SandboxLimits(timeout_s=DEFAULT_TIMEOUT_S)

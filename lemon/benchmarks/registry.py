@@ -58,7 +58,7 @@ class Benchmark:
     def score(self, example: Example, text: str | None, **kw: Any) -> float:
         """1.0 if ``text`` answers ``example`` correctly, else 0.0.
 
-        For ``humaneval`` this runs code in :mod:`lemon.sandbox` (``limits=`` may be
+        For ``humaneval`` this runs code in :mod:`lemon.run.sandbox` (``limits=`` may be
         passed through as a keyword).
         """
         if example.benchmark != self.name:

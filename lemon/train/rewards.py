@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .spec import MAX_AGENTS, Spec
+from lemon.spec import MAX_AGENTS, Spec
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .prompts import CAPACITIES, Prompts
-from .spec import MAX_AGENTS, Agent, Spec
-from .workers import BackendUnavailableError, Completion
+from lemon.prompts import CAPACITIES, Prompts
+from lemon.spec import MAX_AGENTS, Agent, Spec
+from lemon.run.workers import BackendUnavailableError, Completion
 
 CACHE_VERSION = 1  # bump when the meaning of a cache entry changes; old entries are then ignored
 DEFAULT_MAX_TOKENS = {c: 512 for c in CAPACITIES}

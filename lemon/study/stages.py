@@ -1,5 +1,5 @@
 """What each notebook of the study does (01 data, 02 training, 03 ablations, 04 evaluation); the notebooks call these and
-plot. Config, folder layout and the papermill runner are in lemon.study. Everything here resumes from what is on disk.
+plot. Config, folder layout and the papermill runner are in lemon.study.runner. Everything here resumes from what is on disk.
 """
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from . import benchmarks as B
-from .baselines import BASELINES
-from .edits import FAMILIES
-from .evaluate import EvalConfig, read_rows, run_eval
-from .executor import ExecutorCaps
-from .manifest import write_json
-from .orchestrator import OrchestratorConfig, PolicySpecWriter
-from .study import ORCHESTRATORS, VARIANTS, StudyConfig, StudyPaths, load_samples
+from lemon import benchmarks as B
+from lemon.eval.baselines import BASELINES
+from lemon.train.edits import FAMILIES
+from lemon.eval.runner import EvalConfig, read_rows, run_eval
+from lemon.run.executor import ExecutorCaps
+from lemon.manifest import write_json
+from lemon.eval.orchestrator import OrchestratorConfig, PolicySpecWriter
+from lemon.study.runner import ORCHESTRATORS, VARIANTS, StudyConfig, StudyPaths, load_samples
 
 
 # ---- notebook 01: data -----------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
 # ---- notebook 02: training -------------------------------------------------------------------------------------------
 def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, progress: bool = True) -> tuple[dict, dict]:
     """SFT warm start then CF-GRPO (both resume), with one worker pool; checks the training ids lie in 01's train pools."""
-    from .train import build_pool, train, warm_start
+    from lemon.train.pipeline import build_pool, train, warm_start
     pools = json.loads(paths.require(paths.data / "train_ids.json", "01_prepare_data").read_text())
     pool = build_pool(cfg.train)
     try:
@@ -79,10 +79,10 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
     """On held-out specs (seeded mutated baselines) for the edit sample of the EVAL pools, apply each edit family at up to
     `edit_sites` eligible sites and execute original and edited spec (node cache shared). One row per edit in
     ablations/edit_effects.jsonl (resumed by key); d_score / d_tokens = edited minus original."""
-    from .progress import bar as tqdm
-    from .edits import apply_edit, eligible_sites
-    from .executor import NodeCache, execute
-    from .sft import mutated_baseline
+    from lemon.progress import bar as tqdm
+    from lemon.train.edits import apply_edit, eligible_sites
+    from lemon.run.executor import NodeCache, execute
+    from lemon.train.sft import mutated_baseline
     samples = load_samples(cfg, paths, "edit")
     paths.edits.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(paths.edits)
@@ -118,7 +118,7 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
 def train_variant(cfg: StudyConfig, paths: StudyPaths, name: str, prompts, pool, *, progress: bool = True) -> Path:
     """Train (or resume) one ablation variant from notebook 02's SFT warm start; returns its adapter folder.
     'sft' is the warm start itself; 'full' at the main run's step count is notebook 02's run (not retrained)."""
-    from .train import train
+    from lemon.train.pipeline import train
     sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())
     if name == "sft":
         return Path(sft["adapter"])
@@ -144,7 +144,7 @@ def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
 # ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
 def eval_pool(cfg: StudyConfig):
     """The worker pool of notebooks 03/04: the one LEMON was trained with (same models and reply caps); close it when done."""
-    from .train import build_pool
+    from lemon.train.pipeline import build_pool
     return build_pool(cfg.train)
 
 
@@ -166,7 +166,7 @@ class LazyPolicyWriter:
 
     def propose(self, *a, **kw):
         if self._w is None:
-            from .policy import load_policy
+            from lemon.train.policy import load_policy
             model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
             model.eval()
             orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
@@ -213,7 +213,7 @@ def evaluate_all(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress
 
 def generated_specs(cfg: StudyConfig, paths: StudyPaths, prompts, methods=ORCHESTRATORS) -> list[dict]:
     """Specs the orchestrators wrote in notebook 04 (parsed again; invalid ones keep their error), valid ones first."""
-    from .spec import SpecError, parse_spec
+    from lemon.spec import SpecError, parse_spec
     out = []
     for m in methods:
         for b in cfg.benchmarks:

@@ -12,12 +12,12 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .baselines import MULTI_AGENT, baseline_spec
-from .executor import ExecutorCaps, NodeCache, execute
-from .orchestrator import OrchestratorConfig, orchestrator_messages, propose_spec
-from .progress import text_mode
-from .prompts import CAPACITIES, Prompts
-from .spec import Spec, parse_spec
+from lemon.eval.baselines import MULTI_AGENT, baseline_spec
+from lemon.run.executor import ExecutorCaps, NodeCache, execute
+from lemon.eval.orchestrator import OrchestratorConfig, orchestrator_messages, propose_spec
+from lemon.progress import text_mode
+from lemon.prompts import CAPACITIES, Prompts
+from lemon.spec import Spec, parse_spec
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
                  cache: NodeCache | None = None, progress: bool = True) -> tuple[list[dict], dict]:
     """Rows {"prompt": messages, "completion": [assistant message], "example_id", "tokens"} and stats
     (candidates, valid, executed, solved, kept, orchestrator_valid)."""
-    from .progress import bar as tqdm
+    from lemon.progress import bar as tqdm
     if (cfg.filter_by_execution or cfg.use_orchestrator) and pool is None:
         raise ValueError("filter_by_execution / use_orchestrator need a worker pool")
     rng = random.Random(cfg.seed)
@@ -154,8 +154,8 @@ def valid_rate(model, tokenizer, examples, benchmarks: dict, prompts: Prompts, *
                max_new_tokens: int = 320, progress: bool = True) -> dict:
     """Greedy-decode one spec per question with the policy; the fraction that parse (reported before/after SFT)."""
     import torch
-    from .progress import bar as tqdm
-    from .spec import SpecError
+    from lemon.progress import bar as tqdm
+    from lemon.spec import SpecError
     ok, codes = 0, {}
     model.eval()
     for ex in tqdm(examples, desc="valid rate", disable=not progress):

@@ -16,8 +16,8 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from .prompts import CAPACITIES, Prompts
-from .spec import Span, Spec, parse_spec
+from lemon.prompts import CAPACITIES, Prompts
+from lemon.spec import Span, Spec, parse_spec
 
 FAMILIES = ("edge", "role", "capacity")  # m_E, m_R, m_L
 

@@ -6,7 +6,7 @@ import re
 
 import yaml
 
-from .spec_errors import NoYamlError, NotMappingError, UnknownFieldError, WrongTypeError, YamlSyntaxError
+from lemon.spec.errors import NoYamlError, NotMappingError, UnknownFieldError, WrongTypeError, YamlSyntaxError
 
 Span = tuple[int, int]  # [start, end) character offsets into Spec.text
 _STR_TAG = "tag:yaml.org,2002:str"

@@ -17,7 +17,7 @@ plus `final`, the agent whose output is the answer. Example:
 We build the Spec from PyYAML's *node* tree rather than `safe_load`, for three reasons: every node carries its character
 offsets (the counterfactual loss needs the span of each edited value in the text the model wrote), duplicate keys can be
 rejected (safe_load silently keeps the last), and no Python object is ever constructed from untrusted tags.
-The named errors are in lemon.spec_errors (re-exported here), the YAML plumbing in lemon.spec_yaml.
+The named errors are in lemon.spec.errors (re-exported here), the YAML plumbing in lemon.spec.yamlio.
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ from typing import Iterable, Mapping
 
 import yaml
 
-from .prompts import CAPACITIES, default_prompts
-from .spec_errors import (BadFinalError, BadIdError, DuplicateDependencyError, DuplicateIdError, EmptyError,  # noqa: F401
+from lemon.prompts import CAPACITIES, default_prompts
+from lemon.spec.errors import (BadFinalError, BadIdError, DuplicateDependencyError, DuplicateIdError, EmptyError,  # noqa: F401
                           ForwardDependencyError, MissingFieldError, NotMappingError, NoYamlError, SelfDependencyError,
                           SpecError, TooLongError, TooManyAgentsError, UnknownBaseRoleError, UnknownCapacityError,
                           UnknownDependencyError, UnknownFieldError, WrongTypeError, YamlSyntaxError)  # re-exported
-from .spec_yaml import _STR_TAG, Span, _kind, _mapping, _span, extract_yaml  # noqa: F401  (extract_yaml re-exported)
+from lemon.spec.yamlio import _STR_TAG, Span, _kind, _mapping, _span, extract_yaml  # noqa: F401  (extract_yaml re-exported)
 
 MAX_AGENTS = 8
 MAX_TEXT_CHARS = 12_000

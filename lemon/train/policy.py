@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .models import SHIPPED, cache_dir, get_model
+from lemon.run.models import SHIPPED, cache_dir, get_model
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class PolicyConfig:
     """Which model the orchestrator policy is and how LoRA is attached."""
 
     model: str = "qwen2.5-coder-0.5b"
-    """A shipped model name (lemon.models.SHIPPED) or a HF hub id / local folder (paper profile: Qwen/Qwen2.5-7B-Instruct)."""
+    """A shipped model name (lemon.run.models.SHIPPED) or a HF hub id / local folder (paper profile: Qwen/Qwen2.5-7B-Instruct)."""
     backend: str = "auto"
     """'auto' (Unsloth when CUDA and unsloth are available, else transformers), 'transformers' or 'unsloth'."""
     lora_r: int = 16

@@ -6,7 +6,7 @@ spec once (node cache on), returns the reward terms (success, token efficiency, 
 sums them with `reward_weights`), and, when cf_lambda > 0, samples one edit per valid spec (family from the adaptive sampler,
 site uniform), re-executes the edited spec through the same cache, and stores delta = r(y) - r(y') with the sampled-token
 positions of the edited value. `CFGRPOTrainer._generate_and_score_completions` then turns TRL's (B,) advantages into (B, T)
-ones with lemon.cf.cf_advantages. Putting the term in the advantages (not a loss override) keeps it valid under Unsloth,
+ones with lemon.train.cf.cf_advantages. Putting the term in the advantages (not a loss override) keeps it valid under Unsloth,
 which replaces compute_loss on CUDA. With cf_lambda = 0 nothing is edited and the advantages are TRL's own: plain GRPO.
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from .cf import cf_advantages, span_token_mask, token_char_offsets
-from .edits import FAMILIES, FamilySampler, sample_edit
-from .executor import ExecutorCaps, NodeCache, execute
-from .rewards import RewardConfig, compute_reward
-from .spec import SpecError, parse_spec
+from lemon.train.cf import cf_advantages, span_token_mask, token_char_offsets
+from lemon.train.edits import FAMILIES, FamilySampler, sample_edit
+from lemon.run.executor import ExecutorCaps, NodeCache, execute
+from lemon.train.rewards import RewardConfig, compute_reward
+from lemon.spec import SpecError, parse_spec
 
 CF_STATE = "cf_state.json"
 

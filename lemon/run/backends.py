@@ -3,7 +3,7 @@
 Three real implementations of one `Backend` protocol: llama.cpp in-process (the embedded default, CPU), any OpenAI-compatible
 server (vLLM, Ollama, llama.cpp server, hosted APIs) and HF transformers (GPU, or a policy checkpoint used as a worker).
 Real calls report the backend's OWN token counts: the paper's cost axis is tokens, so a backend that cannot say how many it
-used raises instead of counting 0. The pool, the fake backend and the token meter are in lemon.workers.
+used raises instead of counting 0. The pool, the fake backend and the token meter are in lemon.run.workers.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from .models import ModelNotInstalledError, get_model
+from lemon.run.models import ModelNotInstalledError, get_model
 
 
 def _is_int(x) -> bool:

@@ -1,13 +1,13 @@
 """The orchestrator's prompt and the *prompted* (untrained) orchestrator: a chat model writes one spec per task.
 
-The trained policy (lemon.grpo) sees exactly the same messages, so "prompted vs trained" differs only in weights.
+The trained policy (lemon.train.grpo) sees exactly the same messages, so "prompted vs trained" differs only in weights.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .prompts import Prompts
-from .spec import MAX_AGENTS, Spec, SpecError, json_schema, parse_spec
+from lemon.prompts import Prompts
+from lemon.spec import MAX_AGENTS, Spec, SpecError, json_schema, parse_spec
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class PoolSpecWriter:
 
 
 class PolicySpecWriter:
-    """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train) writes the spec
+    """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train.pipeline) writes the spec
     greedily. Its prompt and completion tokens are counted like any model's."""
 
     def __init__(self, model, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), name: str = "policy"):

@@ -13,9 +13,9 @@ import random
 import time
 from collections import Counter
 
-from .executor import ExecutorCaps, NodeCache, Trace, execute
-from .prompts import Prompts, default_prompts
-from .spec import MAX_AGENTS, Spec, spec_from_dict
+from lemon.run.executor import ExecutorCaps, NodeCache, Trace, execute
+from lemon.prompts import Prompts, default_prompts
+from lemon.spec import MAX_AGENTS, Spec, spec_from_dict
 
 BASELINES = ("vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random")
 MULTI_AGENT = ("chain", "tree", "complete", "random")

@@ -7,16 +7,16 @@ import random
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from . import benchmarks as B
-from .config import TrainConfig
-from .edits import FamilySampler
-from .executor import ExecutorCaps, NodeCache
-from .manifest import build_manifest, write_json
-from .orchestrator import orchestrator_messages
-from .policy import load_policy, resolve_backend
-from .progress import text_mode
-from .prompts import Prompts
-from .sft import SFTConfig
+from lemon import benchmarks as B
+from lemon.train.config import TrainConfig
+from lemon.train.edits import FamilySampler
+from lemon.run.executor import ExecutorCaps, NodeCache
+from lemon.manifest import build_manifest, write_json
+from lemon.eval.orchestrator import orchestrator_messages
+from lemon.train.policy import load_policy, resolve_backend
+from lemon.progress import text_mode
+from lemon.prompts import Prompts
+from lemon.train.sft import SFTConfig
 
 
 def training_examples(cfg: TrainConfig) -> list:
@@ -35,7 +35,7 @@ def training_examples(cfg: TrainConfig) -> list:
 
 
 def build_pool(cfg: TrainConfig):
-    from .workers import WorkerPool
+    from lemon.run.workers import WorkerPool
     if cfg.workers:
         return WorkerPool.from_config({**cfg.workers, "max_tokens": dict(cfg.worker_max_tokens)})
     return WorkerPool.embedded_default(max_tokens=dict(cfg.worker_max_tokens))
@@ -49,7 +49,7 @@ def latest_checkpoint(d: Path) -> Path | None:
 def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *, pool=None, progress: bool = True) -> dict:
     """Stage 1: SFT warm start into out/ (adapter files + sft.json with corpus stats and valid rate before/after).
     Skipped (its saved record returned) when out/sft.json exists: rerunning a study resumes instead of redoing."""
-    from .sft import build_corpus, run_sft, valid_rate
+    from lemon.train.sft import build_corpus, run_sft, valid_rate
     out = Path(out)
     if (out / "sft.json").exists():
         return json.loads((out / "sft.json").read_text())
@@ -91,7 +91,7 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adap
     Returns {"steps", "adapter", "history"}; a finished run (out/adapter exists) is returned as is."""
     from datasets import Dataset
     from trl import GRPOConfig
-    from .grpo import CFGRPOTrainer, CFStateCallback, SpecRewarder, load_cf_state
+    from lemon.train.grpo import CFGRPOTrainer, CFStateCallback, SpecRewarder, load_cf_state
 
     out = Path(out)
     if (out / "train.json").exists() and (out / "adapter").exists():

@@ -16,11 +16,11 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from .edits import FAMILIES, apply_edit as _apply_edit, eligible_sites
-from .executor import ExecutorCaps, NodeCache, Trace, execute
-from .prompts import CAPACITIES, Prompts
-from .rewards import RewardConfig, compute_reward
-from .spec import MAX_AGENTS, Spec, parse_spec
+from lemon.train.edits import FAMILIES, apply_edit as _apply_edit, eligible_sites
+from lemon.run.executor import ExecutorCaps, NodeCache, Trace, execute
+from lemon.prompts import CAPACITIES, Prompts
+from lemon.train.rewards import RewardConfig, compute_reward
+from lemon.spec import MAX_AGENTS, Spec, parse_spec
 
 # Okabe-Ito colours (colour-blind safe), cheap -> strong reads light blue -> orange -> red.
 CAPACITY_COLORS = {"small": "#56B4E9", "medium": "#E69F00", "large": "#D55E00"}
@@ -198,7 +198,7 @@ class SpecInspector:
         self.capacity.value = CAPACITIES[i - 1] if i > 0 else CAPACITIES[i + 1]  # default: m_L, one level lower
 
     def apply_edit(self) -> Spec:
-        """Apply the edit chosen in the controls to `.current` (edge / role through lemon.edits; capacity by rewriting the
+        """Apply the edit chosen in the controls to `.current` (edge / role through lemon.train.edits; capacity by rewriting the
         capacity value at its span, which allows any level). Returns the new current spec."""
         fam, site, cur = self.family.value, self.site.value, self.current
         if site is None:

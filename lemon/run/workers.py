@@ -1,5 +1,5 @@
 """The capacity-level worker pool that runs a spec's agents, a deterministic fake backend for control-flow tests, and the
-token meter. The real backends (llama.cpp, OpenAI-compatible, transformers) and the shared types are in lemon.backends and
+token meter. The real backends (llama.cpp, OpenAI-compatible, transformers) and the shared types are in lemon.run.backends and
 re-exported here.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from .backends import Backend, Completion, LlamaCppBackend, OpenAIBackend, SamplingParams, TransformersBackend, UnknownCapacityError
-from .backends import BackendError, BackendUnavailableError, ModelUnavailableError  # noqa: F401  (re-exported: callers catch these)
-from .models import DEFAULT_LADDER, SHIPPED
+from lemon.run.backends import Backend, Completion, LlamaCppBackend, OpenAIBackend, SamplingParams, TransformersBackend, UnknownCapacityError
+from lemon.run.backends import BackendError, BackendUnavailableError, ModelUnavailableError  # noqa: F401  (re-exported: callers catch these)
+from lemon.run.models import DEFAULT_LADDER, SHIPPED
 
 __all__ = ["Backend", "BackendError", "BackendUnavailableError", "Completion", "FakeBackend", "LlamaCppBackend",
            "ModelUnavailableError", "OpenAIBackend", "SamplingParams", "TokenMeter", "TransformersBackend",

@@ -14,15 +14,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .progress import bar as tqdm
+from lemon.progress import bar as tqdm
 
-from . import benchmarks as B
-from .baselines import BASELINES, UnknownMethodError, example_spec, run_baseline
-from .executor import ExecutorCaps, NodeCache, Trace, execute
-from .manifest import build_manifest, write_json
-from .orchestrator import OrchestratorConfig, PoolSpecWriter
-from .prompts import Prompts
-from .spec import parse_spec
+from lemon import benchmarks as B
+from lemon.eval.baselines import BASELINES, UnknownMethodError, example_spec, run_baseline
+from lemon.run.executor import ExecutorCaps, NodeCache, Trace, execute
+from lemon.manifest import build_manifest, write_json
+from lemon.eval.orchestrator import OrchestratorConfig, PoolSpecWriter
+from lemon.prompts import Prompts
+from lemon.spec import parse_spec
 
 METHODS_HELP = f"one of {', '.join(BASELINES)}, 'orchestrator', or a path to a spec .yaml file"
 
@@ -112,7 +112,7 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
              orch: OrchestratorConfig | None = None, writer=None, examples=None, progress: bool = True) -> dict:
     """Evaluate, appending to out/results.jsonl; returns the summary (also written to out/summary.json).
     method 'orchestrator' uses `writer` (an object with .propose(task, domain, prompts, seed) -> SpecProposal, e.g.
-    lemon.orchestrator.PolicySpecWriter for the trained LEMON policy); without one, the prompted PoolSpecWriter.
+    lemon.eval.orchestrator.PolicySpecWriter for the trained LEMON policy); without one, the prompted PoolSpecWriter.
     `examples` overrides the loaded split (e.g. an eval pool); otherwise load(benchmark, split, limit, seed)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The user-facing study: notebooks 01 (data) -> 02 (SFT + CF-GRPO) -> 03 (ablations) -> 04 (evaluation), executed with
 papermill into outputs/<profile>-<timestamp>/ by ONE command (`scripts/main.sh --profile smoke|cpu|paper [--out DIR | --resume]`).
-Here: the config of each profile, the folder layout and the runner; what each notebook computes is in lemon.stages,
-the plots and summary tables in lemon.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
+Here: the config of each profile, the folder layout and the runner; what each notebook computes is in lemon.study.stages,
+the plots and summary tables in lemon.study.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
 are skipped (a marker under .done/), and inside a notebook training resumes from checkpoints and evaluation from results.jsonl.
 """
 from __future__ import annotations
@@ -18,19 +18,19 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from . import benchmarks as B
-from .baselines import BASELINES
-from .config import PROFILES, TrainConfig, sft_preset, train_preset
-from .edits import FAMILIES
-from .evaluate import EvalConfig
-from .manifest import build_manifest, git_sha, write_json
-from .models import DEFAULT_LADDER, SHIPPED
-from .orchestrator import OrchestratorConfig
-from .progress import TEXT_ENV
-from .prompts import CAPACITIES
-from .sft import SFTConfig
+from lemon import benchmarks as B
+from lemon.eval.baselines import BASELINES
+from lemon.train.config import PROFILES, TrainConfig, sft_preset, train_preset
+from lemon.train.edits import FAMILIES
+from lemon.eval.runner import EvalConfig
+from lemon.manifest import build_manifest, git_sha, write_json
+from lemon.run.models import DEFAULT_LADDER, SHIPPED
+from lemon.eval.orchestrator import OrchestratorConfig
+from lemon.progress import TEXT_ENV
+from lemon.prompts import CAPACITIES
+from lemon.train.sft import SFTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ("01_prepare_data", "02_train_grpo_lora", "03_ablations", "04_evaluate")
 ORCHESTRATORS = ("prompted", "lemon")  # eval methods besides the baselines: the untrained prompted worker, the trained policy
 VARIANTS = {"sft": None, "global": {"cf_lambda": 0.0}, "full": {},  # sft = warm start only (no RL); full = CF over all families
@@ -39,14 +39,14 @@ VARIANTS = {"sft": None, "global": {"cf_lambda": 0.0}, "full": {},  # sft = warm
 
 @dataclass(frozen=True)
 class StudyConfig:
-    """Everything the four notebooks do for one profile (training itself: `train` / `sft`, from lemon.config)."""
+    """Everything the four notebooks do for one profile (training itself: `train` / `sft`, from lemon.train.config)."""
 
     profile: str
     """smoke | cpu | paper."""
     train: TrainConfig
-    """CF-GRPO config of the main run (lemon.config.train_preset(profile))."""
+    """CF-GRPO config of the main run (lemon.train.config.train_preset(profile))."""
     sft: SFTConfig
-    """Warm-start config (lemon.config.sft_preset(profile))."""
+    """Warm-start config (lemon.train.config.sft_preset(profile))."""
     seed: int = 0
     """Seeds the eval/edit/ablation samples, every worker call and (through train/sft) training."""
     protocol: str = "paper"
@@ -237,7 +237,7 @@ def _digest(*parts) -> str:
 
 def study_manifest(cfg: StudyConfig) -> dict:
     """Git sha, config, data files' and models' sha256, seeds (what produced every number of the study)."""
-    from .prompts import default_prompts
+    from lemon.prompts import default_prompts
     workers = cfg.train.workers or {c: {"backend": "llama_cpp", "model": m} for c, m in DEFAULT_LADDER.items()}
     workers = {c: {k: v for k, v in w.items() if k in ("backend", "model", "base_url")} for c, w in workers.items()}
     root = B.resolve_data_dir()
@@ -266,7 +266,7 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
     from nbclient.exceptions import DeadKernelError
-    from .plots import write_summary
+    from lemon.study.plots import write_summary
     paths = StudyPaths(resolve_out_dir(profile, out_dir, resume))
     cfg = study_preset(profile, seed=seed)
     print(f"LEMON study, profile {profile}, seed {seed}: {paths.root}", flush=True)

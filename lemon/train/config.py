@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from .policy import PolicyConfig
-from .rewards import RewardConfig
-from .sft import SFTConfig
+from lemon.train.policy import PolicyConfig
+from lemon.train.rewards import RewardConfig
+from lemon.train.sft import SFTConfig
 
 PROFILES = ("smoke", "cpu", "paper")
 
@@ -22,7 +22,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward weights, token budget, invalid-spec penalty."""
     workers: dict = field(default_factory=dict)
-    """Worker pool config for lemon.workers.WorkerPool.from_config ({} = the embedded llama.cpp ladder)."""
+    """Worker pool config for lemon.run.workers.WorkerPool.from_config ({} = the embedded llama.cpp ladder)."""
     benchmarks: tuple[str, ...] = ("gsm8k",)
     """Training benchmarks (their TRAIN pools only; see lemon.benchmarks.pools)."""
     train_questions: int = 16

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import benchmarks as B
-from .evaluate import read_rows, summarize
+from lemon import benchmarks as B
+from lemon.eval.runner import read_rows, summarize
 
 FAMILY_LABEL = {"edge": "m_E (drop edge)", "role": "m_R (duty -> base role)", "capacity": "m_L (capacity -1)"}
 
@@ -191,9 +191,9 @@ def ablation_plot(a: pd.DataFrame):
 
 # ---- specs -----------------------------------------------------------------------------------------------------------
 def spec_gallery(items: list[tuple[str, object]]):
-    """Draw specs with lemon.widgets.draw_spec when available; else return their YAML. items: (title, Spec)."""
+    """Draw specs with lemon.study.widgets.draw_spec when available; else return their YAML. items: (title, Spec)."""
     try:
-        from .widgets import draw_spec
+        from lemon.study.widgets import draw_spec
     except ImportError:
         draw_spec = None
     out = []

@@ -1,0 +1,5 @@
+import sys
+
+from lemon.study.runner import main
+
+sys.exit(main())
