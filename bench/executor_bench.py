@@ -3,12 +3,12 @@ shared 2-core machine, so each figure says what it measured.
 
   .venv/bin/python bench/executor_bench.py [--questions 4] [--edits 100] [--max-tokens 48] [--only overhead,concurrency,cache]
 
-1. overhead: wall time of execute() minus the summed backend latency, for baseline specs run on ONE shared 135M handle
-   (agents serialise on its lock, so wall = backend time + executor overhead).
+1. overhead: wall time of execute() minus the summed backend latency, for baseline specs run on ONE managed 135M
+   llama-server with one slot (agents queue for it, so wall = backend time + executor overhead).
 2. concurrency: questions/minute for a 4-agent Tree spec (leaves on two different models can overlap) and a 4-agent Complete
-   spec (a total order: nothing can overlap), in three designs: one thread per llama.cpp handle with a level's agents
-   concurrent (one lock per handle), the same one at a time, and the default since 2026-11-30: every core per decode and one
-   CPU lock shared by the pool's handles (lemon.run.backends.LlamaCppBackend).
+   spec (a total order: nothing can overlap) on managed llama-servers (135M and 0.5B), with 4 slots per server (a level's
+   agents decode together) vs 1 slot (one at a time per server). The in-process designs this section compared before
+   issue 12 are gone with the in-process backend (LOG.md, session 2, has their figures).
 3. node cache: worker tokens to re-run random single-field edits of executed specs, with the cache vs without it (the
    cacheless cost is the edited spec's nominal tokens: every agent re-run).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import threading
 import time
 
 from lemon import benchmarks as B
@@ -25,24 +24,8 @@ from lemon.train.edits import sample_edit
 from lemon.run.executor import ExecutorCaps, NodeCache, execute
 from lemon.prompts import default_prompts
 from lemon.train.sft import mutated_baseline
-from lemon.run.workers import LlamaCppBackend, WorkerPool
-
-
-class Sequential:
-    """Wraps a backend so that it and every other backend wrapped with the same `lock` run one call at a time (the
-    sequential arm of the concurrency figure). max_concurrency 1 alone is not enough: the executor bounds concurrency per
-    backend, so two handles of different models would still overlap."""
-
-    def __init__(self, b, lock: threading.Lock):
-        self.b, self.model, self.max_concurrency, self.backend = b, b.model, 1, getattr(b, "backend", "llama_cpp")
-        self.lock = lock
-
-    def chat(self, m, p):
-        with self.lock:
-            return self.b.chat(m, p)
-
-    def close(self):
-        pass
+from lemon.run.servers import ServerConfig
+from lemon.run.workers import WorkerPool
 
 
 def main():
@@ -58,9 +41,9 @@ def main():
     qs = B.load("gsm8k", "test", limit=a.questions, seed=0)
     caps = ExecutorCaps(max_tokens={c: a.max_tokens for c in ("small", "medium", "large")})
 
-    # 1. overhead on one shared handle
-    small = LlamaCppBackend.shipped("smollm2-135m")
-    pool = WorkerPool({c: small for c in ("small", "medium", "large")})
+    # 1. overhead on one shared one-slot server
+    pool = WorkerPool.embedded_default({c: "smollm2-135m" for c in ("small", "medium", "large")},
+                                       server=ServerConfig(slots=1, ctx_per_slot=4096))
     wall = backend = 0.0
     for name in ("chain", "tree", "complete", "random") if "overhead" in only else ():
         spec = baseline_spec(name, "math", n_agents=4)
@@ -73,35 +56,27 @@ def main():
               f"max_tokens {a.max_tokens}): wall {wall:.1f}s, backend {backend:.1f}s, overhead {wall - backend:.2f}s = "
               f"{100 * (wall - backend) / wall:.2f}% (goal <= 3%)", flush=True)
 
-    # 2. concurrency: distinct models per capacity (each llama.cpp handle runs one sequence at a time)
+    # 2. concurrency: distinct models per capacity, several slots per server vs one
     if "concurrency" in only:
         from lemon.spec import spec_from_dict
-        one = {c: LlamaCppBackend.shipped(m, n_threads=1) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
-        lock, seq = threading.Lock(), threading.Lock()
-        allc = {c: LlamaCppBackend.shipped(m, cpu_lock=lock) for c, m in (("small", "smollm2-135m"), ("medium", "qwen2.5-coder-0.5b"))}
-        for lad in (one, allc):
-            lad["large"] = lad["medium"]
-        designs = (("1 thread/handle, concurrent", one), ("1 thread/handle, sequential", {c: Sequential(b, seq) for c, b in one.items()}),
-                   (f"{allc['small'].n_threads} threads/decode, one CPU lock", allc))
+        ladder = {"small": "smollm2-135m", "medium": "qwen2.5-coder-0.5b", "large": "qwen2.5-coder-0.5b"}
         for name in ("tree", "complete"):
             d = baseline_spec(name, "math", n_agents=4, capacity="small").to_dict()
-            for i, ag in enumerate(d["agents"][:-1]):  # leaves alternate small / medium: two handles can overlap
+            for i, ag in enumerate(d["agents"][:-1]):  # leaves alternate small / medium: two servers can overlap
                 ag["capacity"] = ("small", "medium")[i % 2]
             spec = spec_from_dict(d)
-            for label, backends in designs:
-                p = WorkerPool(dict(backends))
-                t0 = time.perf_counter()
-                for ex in qs:
-                    execute(spec, ex, bench, p, prompts=P, caps=caps, cache=None)
-                dt = time.perf_counter() - t0
-                print(f"[concurrency] {name} 4 agents, leaves on 135M/0.5B, {label}: {len(qs) / dt * 60:.2f} questions/min "
-                      f"({dt:.1f}s for {len(qs)})", flush=True)
-        for b in [*one.values(), *allc.values()]:
-            b.close()
+            for slots in (4, 1):
+                with WorkerPool.embedded_default(ladder, server=ServerConfig(slots=slots, ctx_per_slot=4096)) as p:
+                    t0 = time.perf_counter()
+                    for ex in qs:
+                        execute(spec, ex, bench, p, prompts=P, caps=caps, cache=None)
+                    dt = time.perf_counter() - t0
+                print(f"[concurrency] {name} 4 agents, leaves on 135M/0.5B, {slots} slot(s) per server: "
+                      f"{len(qs) / dt * 60:.2f} questions/min ({dt:.1f}s for {len(qs)})", flush=True)
 
     # 3. node cache: random single-field edits of executed specs
     if "cache" not in only:
-        small.close()
+        pool.close()
         return
     rng = random.Random(0)
     cache = NodeCache()
@@ -121,7 +96,7 @@ def main():
     print(f"[cache] {n} random single-field edits of {len(specs)} mutated-baseline specs (135M, max_tokens {a.max_tokens}): "
           f"worker tokens with cache {spent}, without {nominal} ({100 * spent / max(1, nominal):.1f}% of cacheless; "
           f"edits repeat across draws, so later repeats are free too)")
-    small.close()
+    pool.close()
 
 
 if __name__ == "__main__":

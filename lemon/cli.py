@@ -2,19 +2,28 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from lemon.prompts import CAPACITIES, load_prompts
 
 
-def _pool(args):
+def _pool(args, log_dir: Path | None = None):
+    """--workers YAML, else the embedded default (one managed llama-server per shipped model, logs in `log_dir`)."""
     from lemon.run.workers import WorkerPool
     if args.workers:
         text = Path(args.workers).read_text()
         import yaml
-        return WorkerPool.from_config(yaml.safe_load(text))
-    return WorkerPool.embedded_default()
+        return WorkerPool.from_config(yaml.safe_load(text), log_dir=log_dir)
+    return WorkerPool.embedded_default(log_dir=log_dir)
+
+
+def _sigterm_as_exit(signum, frame):
+    """SIGTERM unwinds like Ctrl-C, so `finally: pool.close()` stops the servers in order (PR_SET_PDEATHSIG in
+    lemon.run.servers still kills them if we die harder); exit status 143 = 128 + SIGTERM."""
+    raise SystemExit(128 + signum)
 
 
 def cmd_eval(args) -> int:
@@ -22,9 +31,9 @@ def cmd_eval(args) -> int:
     cfg = EvalConfig(method=args.method, benchmark=args.benchmark, split=args.split, limit=args.limit, seed=args.seed,
                      capacity=args.capacity, n_agents=args.n_agents, k=args.k)
     prompts = load_prompts(args.prompts)
-    pool = _pool(args)
+    pool = _pool(args, log_dir=Path(args.out) / "servers")
     try:
-        s = run_eval(cfg, pool, prompts, Path(args.out), progress=not args.quiet)
+        s = run_eval(cfg, pool, prompts, Path(args.out), progress=not args.quiet, concurrency=args.concurrency)
     finally:
         pool.close()
     lo, hi = s["ci95"]
@@ -108,7 +117,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
-        sp.add_argument("--workers", help="YAML/JSON worker-pool config (default: the embedded llama.cpp ladder)")
+        sp.add_argument("--workers", help="YAML/JSON worker-pool config, e.g. configs/workers-paper.yaml (default: the "
+                        "embedded ladder, one managed llama-server per shipped model)")
         sp.add_argument("--prompts", help="prompts file (default: lemon/prompts.yaml)")
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--capacity", default="medium", help=f"baseline agents' capacity: {', '.join(CAPACITIES)}")
@@ -121,6 +131,8 @@ def main(argv=None) -> int:
     e.add_argument("--n-agents", type=int, default=4)
     e.add_argument("--k", type=int, default=5, help="SC-CoT samples")
     e.add_argument("--out", required=True)
+    e.add_argument("--concurrency", type=int, default=1,
+                   help="questions in flight (default 1); rows, tokens and seeds do not depend on it")
     e.add_argument("--quiet", action="store_true")
     common(e)
     e.set_defaults(fn=cmd_eval)
@@ -148,11 +160,22 @@ def main(argv=None) -> int:
     d.set_defaults(fn=cmd_data)
 
     args = p.parse_args(argv)
+    if getattr(args, "concurrency", 1) < 1:
+        p.error(f"--concurrency must be >= 1, got {args.concurrency}")
     if getattr(args, "capacity", "medium") not in CAPACITIES:
         p.error(f"unknown capacity {args.capacity!r}; valid: {', '.join(CAPACITIES)}")
+    from lemon.run.backends import BackendUnavailableError
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _sigterm_as_exit) if main_thread else None
     try:
         return args.fn(args)
     except (ValueError, KeyError, FileNotFoundError) as e:  # bad input: one clear line, nothing half-written
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 2
+    except BackendUnavailableError as e:  # no server binary / model, a dead server: the message names the fix
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 3
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lemon.run.models import SHIPPED, file_sha256
 
-PACKAGES = ("torch", "transformers", "trl", "peft", "llama_cpp_python", "openai", "PyYAML")
+PACKAGES = ("torch", "transformers", "trl", "peft", "llguidance", "openai", "PyYAML")
 
 
 def git_sha(repo: Path | None = None) -> str:
@@ -34,6 +34,11 @@ def versions() -> dict[str, str]:
             out[p] = metadata.version(p)
         except metadata.PackageNotFoundError:
             out[p] = "not installed"
+    try:  # the workers' llama-server: setup.sh's build record (source sha256 + cmake flags), not a pip package
+        from lemon.run.servers import build_info, find_binary
+        out["llama_server"] = build_info(find_binary()).get("key", "foreign binary (no setup.sh build record)")
+    except Exception as e:  # noqa: BLE001 - a manifest must never fail for a missing optional binary
+        out["llama_server"] = f"not found ({type(e).__name__})"
     return out
 
 

@@ -1,18 +1,24 @@
-"""The eval runner and CLI: resumable after kill -9, one config per run folder, clear errors for bad names."""
+"""The eval runner and CLI: resumable after kill -9 (also with --concurrency), one config per run folder, clear errors for
+bad names, rows / tokens / cache / seeds independent of concurrency, a dead backend never scored."""
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
+from lemon import benchmarks as LB
+from lemon.eval.baselines import baseline_spec
 from lemon.eval.runner import EvalConfig, read_rows, run_eval, wilson_ci
 from lemon.prompts import default_prompts
-from lemon.run.workers import FakeBackend, WorkerPool
+from lemon.run.executor import execute
+from lemon.run.workers import BackendUnavailableError, FakeBackend, TokenMeter, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -76,6 +82,77 @@ def test_random_rows_keep_the_dag_each_question_ran(tmp_path):
         assert r["spec"] == want.to_yaml() and r["agents"] == 4
 
 
+def _echo(messages, params):
+    """Deterministic and prompt-dependent (so any upstream change shows), with a real answer for some questions."""
+    h = hashlib.sha256((messages[-1]["content"] + str(params.seed)).encode()).hexdigest()
+    return f"thinking {h[:6]} " * (1 + int(h[0], 16) % 4) + f"Answer: {int(h[:2], 16) % 3}"
+
+
+def _rows_without_timing(path):
+    return sorted(({k: v for k, v in r.items() if k != "latency_s"} for r in read_rows(path)), key=lambda r: r["id"])
+
+
+@pytest.mark.parametrize("method", ["complete", "sc-cot", "random"])
+def test_concurrency_gives_the_same_rows_tokens_and_cache(tmp_path, method):
+    """K=1 and K=4 questions in flight: the same rows (but their order), the same token totals, the same node-cache
+    entries. The fake sleeps so that questions really overlap."""
+    P = default_prompts()
+    cfg = EvalConfig(method=method, benchmark="svamp", split="test", limit=8, seed=3, n_agents=3, k=3)
+    runs = {}
+    for k in (1, 4):
+        f = FakeBackend(_echo, latency_s=0.01)
+        s = run_eval(cfg, WorkerPool({c: f for c in ("small", "medium", "large")}), P, tmp_path / f"k{k}", progress=False,
+                     concurrency=k)
+        cache = sorted((tmp_path / f"k{k}" / "node_cache.jsonl").read_text().splitlines())
+        runs[k] = (_rows_without_timing(tmp_path / f"k{k}" / "results.jsonl"), s["mean_worker_tokens"], cache, len(f.calls))
+    assert runs[1] == runs[4] and len(runs[1][0]) == 8
+
+
+def test_token_meter_is_exact_with_concurrent_executions():
+    """Executions of several questions in threads add to one TokenMeter: the totals equal the traces' own sums."""
+    P, bench, exs = default_prompts(), LB.get_benchmark("gsm8k"), LB.load("gsm8k", "test", limit=12, seed=0)
+    f = FakeBackend(_echo, latency_s=0.005)
+    pool, meter, spec = WorkerPool({c: f for c in ("small", "medium", "large")}), TokenMeter(), \
+        baseline_spec("tree", "math", n_agents=4)
+    with ThreadPoolExecutor(6) as tp:
+        traces = list(tp.map(lambda e: execute(spec, e, bench, pool, prompts=P, meter=meter), exs))
+    alone = [execute(spec, e, bench, pool, prompts=P) for e in exs]
+    t = meter.totals()["total"]
+    assert t["total_tokens"] == sum(x.tokens for x in traces) == sum(x.tokens for x in alone)
+    assert t["calls"] == 4 * len(exs) and [x.output for x in traces] == [x.output for x in alone]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_dead_backend_stops_the_run_and_is_never_scored(tmp_path, k):
+    """A BackendUnavailableError (dead server after retries) stops run_eval; no row is written for the questions it hit,
+    and the resume (server back) finishes them: nothing is scored 0 because a server died."""
+    P = default_prompts()
+    cfg = EvalConfig(method="cot", benchmark="gsm8k", limit=6, seed=0)
+    dead = {"on": True}
+    target = LB.load("gsm8k", "test", limit=6, seed=0)[3].question  # the 4th question meets a dead server
+
+    def reply(messages, params):
+        if dead["on"] and target in messages[-1]["content"]:
+            raise BackendUnavailableError("openai http://x/v1 (m): unavailable after 4 attempts")
+        return "Answer: 1"
+    pool = WorkerPool({c: FakeBackend(reply, latency_s=0.01) for c in ("small", "medium", "large")})
+    with pytest.raises(BackendUnavailableError):
+        run_eval(cfg, pool, P, tmp_path, progress=False, concurrency=k)
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert len(rows) < 6 and all(r["error"] is None for r in rows)
+    assert target not in {r.get("question") for r in rows} and len({r["id"] for r in rows}) == len(rows)
+    dead["on"] = False
+    s = run_eval(cfg, pool, P, tmp_path, progress=False, concurrency=k)
+    rows = read_rows(tmp_path / "results.jsonl")
+    assert s["n"] == 6 == len({r["id"] for r in rows}) == len(rows) and s["errors"] == 0
+
+
+def test_concurrency_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="concurrency"):
+        run_eval(EvalConfig(method="cot", benchmark="gsm8k", limit=1), fake_pool(), default_prompts(), tmp_path,
+                 progress=False, concurrency=0)
+
+
 def test_bad_names_are_clear_errors():
     from lemon.eval.baselines import UnknownMethodError
     from lemon.benchmarks import UnknownBenchmarkError
@@ -101,14 +178,16 @@ def test_cli_bad_input_exit_2(args, needle):
     assert r.returncode == 2 and needle in r.stderr, r.stderr
 
 
-def test_cli_kill_9_then_resume(tmp_path):
-    """kill -9 in the middle of a run; the same command resumes: nothing lost, nothing repeated."""
+@pytest.mark.parametrize("concurrency", ["1", "4"])
+def test_cli_kill_9_then_resume(tmp_path, concurrency):
+    """kill -9 in the middle of a run (with 1 or 4 questions in flight); the same command resumes: nothing lost, nothing
+    repeated."""
     workers = tmp_path / "w.yaml"
     workers.write_text(yaml.safe_dump({c: {"backend": "fake", "model": "fake", "latency_s": 0.15}
                                        for c in ("small", "medium", "large")}))
     out = tmp_path / "run"
     cmd = [PY, "-m", "lemon", "eval", "--method", "cot", "--benchmark", "svamp", "--limit", "12", "--workers", str(workers),
-           "--out", str(out), "--quiet"]
+           "--out", str(out), "--quiet", "--concurrency", concurrency]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and len(read_rows(out / "results.jsonl")) < 3:
@@ -122,6 +201,34 @@ def test_cli_kill_9_then_resume(tmp_path):
     rows = read_rows(out / "results.jsonl")
     assert len(rows) == 12 and len({x["id"] for x in rows}) == 12
     assert "n=12" in r.stdout
+
+
+@pytest.mark.slow
+def test_cli_sigterm_stops_servers(tmp_path):
+    """SIGTERM to `lemon eval` on managed llama-servers: exit 143, the server gone, finished rows kept."""
+    import re
+    workers = tmp_path / "w.yaml"
+    workers.write_text(yaml.safe_dump({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2,
+                                              "ctx_per_slot": 2048} for c in ("small", "medium", "large")},
+                                       "max_tokens": {c: 48 for c in ("small", "medium", "large")}}))
+    out = tmp_path / "run"
+    cmd = [PY, "-m", "lemon", "eval", "--method", "chain", "--n-agents", "2", "--benchmark", "svamp", "--limit", "30",
+           "--workers", str(workers), "--out", str(out), "--quiet", "--concurrency", "2"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_rows(out / "results.jsonl")) < 2:
+        time.sleep(0.2)
+    log = (out / "servers" / "smollm2-135m.log").read_text()
+    pid = int(re.findall(r"===== lemon: pid (\d+)", log)[-1])
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 143
+    for _ in range(100):  # close() stopped it (SIGTERM, then SIGKILL after 10 s at worst)
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists(), "llama-server outlived `lemon eval`"
+    rows = read_rows(out / "results.jsonl")
+    assert 2 <= len(rows) < 30 and len({r["id"] for r in rows}) == len(rows)  # finished rows kept (resume: kill -9 test)
 
 
 @pytest.mark.slow

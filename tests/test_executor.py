@@ -203,7 +203,7 @@ def test_cache_unchanged_spec_is_free():
     t2 = execute(s, EX, GSM, pool_of(fake), prompts=P, cache=cache)
     assert len(fake.calls) == 4 and t2.cache_hits == 4 and t2.tokens == 0 and t2.worker_latency_s == 0
     assert t2.nominal_tokens == t1.nominal_tokens == t1.tokens and t2.output == t1.output and t2.score == t1.score
-    assert cache.stats() == {"hits": 4, "misses": 4, "entries": 4}
+    assert cache.stats() == {"hits": 4, "misses": 4, "hit_rate": 0.5, "entries": 4, "evictions": 0}
     t3 = execute(s, EX, GSM, pool_of(fake), prompts=P, cache=cache, seed=1)  # another seed is another sample
     assert t3.cache_hits == 0
 
@@ -261,13 +261,11 @@ def test_disk_cache_survives_new_instance(tmp_path):
 # ---- real model ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_model_cot_and_chain_end_to_end():
-    pytest.importorskip("llama_cpp")
     from lemon.eval.baselines import baseline_spec
     from lemon.benchmarks import load
-    from lemon.run.workers import LlamaCppBackend
-    backend = LlamaCppBackend.shipped("smollm2-135m")  # one handle shared by all capacities (serialized by its lock)
-    pool = WorkerPool({c: backend for c in ("small", "medium", "large")},
-                      {c: SamplingParams(max_tokens=64) for c in ("small", "medium", "large")})
+    caps = ("small", "medium", "large")  # one managed llama-server shared by all capacities (identical entries)
+    pool = WorkerPool.from_config({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2, "ctx_per_slot": 2048}
+                                      for c in caps}, "max_tokens": {c: 64 for c in caps}})
     cache = NodeCache()
     try:
         for ex in load("gsm8k", "test", limit=2):
@@ -282,3 +280,27 @@ def test_real_model_cot_and_chain_end_to_end():
                 assert again.nominal_tokens == tr.nominal_tokens and again.output == tr.output
     finally:
         pool.close()
+
+
+def test_node_cache_is_bounded_in_memory_and_on_disk(tmp_path):
+    """Issue 11 defect 10: LRU eviction past max_entries, the file compacted at 2 x max_entries lines, reload keeps the newest."""
+    from lemon.run.workers import Completion
+    path = tmp_path / "cache.jsonl"
+    c = NodeCache(path=path, max_entries=3)
+    comp = lambda i: Completion(f"out{i}", 1, 1, 0.0, "m", "fake")  # noqa: E731
+    for i in range(4):
+        c.put(f"k{i}", comp(i))
+    assert len(c) == 3 and c.get("k0") is None and c.get("k3").text == "out3" and c.stats()["evictions"] == 1
+    assert c.get("k1").text == "out1"  # k1 becomes the most recently used: k2 is evicted next
+    c.put("k4", comp(4))
+    assert c.get("k2") is None and c.get("k1") is not None
+    for i in range(5, 9):  # 5 lines so far; the 7th line triggers a compaction to the live entries
+        c.put(f"k{i}", comp(i))
+    lines = path.read_text().splitlines()
+    assert len(lines) <= 2 * 3
+    again = NodeCache(path=path, max_entries=3)
+    assert sorted(again._mem) == sorted(c._mem) and again.get("k8").text == "out8"
+    st = c.stats()
+    assert st["hit_rate"] == st["hits"] / (st["hits"] + st["misses"])
+    with pytest.raises(ValueError, match="max_entries"):
+        NodeCache(max_entries=0)

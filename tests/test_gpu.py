@@ -12,35 +12,39 @@ pytest.importorskip("unsloth")
 
 pytestmark = pytest.mark.gpu
 
-
-def _tiny_model(path):
-    # a character-level tokenizer built in code: no tokenizer files need to travel to the GPU machine
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {chr(i): i - 32 for i in range(32, 127)}
-    vocab.update({"<pad>": 95, "<eos>": 96})
-    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="<eos>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=96, pad_token_id=95)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+from _tiny import tiny_model as _tiny_model  # noqa: E402  (tests/_tiny.py)
 
 
-def test_unsloth_cf_grpo_steps(tmp_path):
+def test_unsloth_cf_grpo_steps_with_a_warm_start(tmp_path):
+    """Exactly what `lemon train` builds on CUDA: trainer_class('unsloth') (a subclass of the GRPOTrainer trl exports after
+    unsloth is imported, defect 3), with a warm-start adapter loaded into Unsloth's LoRA modules (defect 2)."""
+    import trl
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
     from lemon.train.config import train_preset
-    from lemon.train.policy import PolicyConfig
+    from lemon.train.grpo import trainer_class
+    from lemon.train.policy import PolicyConfig, load_policy
     from lemon.prompts import default_prompts
     from lemon.train.pipeline import train
     _tiny_model(tmp_path / "tiny")
+    pcfg = PolicyConfig(model=str(tmp_path / "tiny"), backend="unsloth", lora_r=4, lora_alpha=8, max_seq_length=4096)
+    # a warm start with non-zero LoRA weights, saved the way lemon.train.sft saves it
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
+    warm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(pcfg.target_modules), task_type="CAUSAL_LM"))
+    for n, p in warm.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    warm.save_pretrained(tmp_path / "warm")
+    model, _ = load_policy(pcfg, adapter=tmp_path / "warm")
+    got = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert got and all(v.abs().sum() > 0 for v in got.values())  # the warm start is in, not fresh zero-init adapters
+    cls = trainer_class("unsloth")
+    assert issubclass(cls, trl.GRPOTrainer) and "unsloth" in (trl.GRPOTrainer.__module__ + trl.GRPOTrainer.__name__).lower()
     fake = {"backend": "fake", "model": "fake", "reply": "Answer: 18"}
-    cfg = train_preset("smoke", policy=PolicyConfig(model=str(tmp_path / "tiny"), backend="unsloth", lora_r=4, lora_alpha=8,
-                                                    max_seq_length=4096),
-                       workers={c: fake for c in ("small", "medium", "large")}, max_completion_length=64, max_steps=3)
-    res = train(cfg, tmp_path / "run", default_prompts(), progress=False)
+    # the tiny character-level tokenizer has no byte fallback for the grammar: unconstrained sampling here
+    cfg = train_preset("smoke", policy=pcfg, workers={c: fake for c in ("small", "medium", "large")},
+                       max_completion_length=64, max_steps=3, constrained=False)
+    res = train(cfg, tmp_path / "run", default_prompts(), init_adapter=tmp_path / "warm", progress=False)
     assert res["steps"] == 3
     logs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("reward" in l for l in logs) == 3

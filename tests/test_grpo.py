@@ -1,37 +1,42 @@
-"""CF-GRPO: the rewarder's counterfactual bookkeeping (fake workers, real tokenizer), and a real smoke training run with the
-shipped 135M policy and workers: SFT warm start, 2 CF-GRPO steps, LoRA weights change, metrics logged, resume continues."""
+"""CF-GRPO: scoring of rollouts and their counterfactuals (fake workers, real tokenizer), the trainer's guards, and a real
+smoke training run with the shipped 135M policy and workers: SFT warm start, grammar-constrained CF-GRPO steps, LoRA weights
+change, metrics and rollouts logged, resume continues."""
 import json
+import random
+import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
 
 from lemon import benchmarks as B
-from lemon.train.config import sft_preset, train_preset
-from lemon.train.edits import FamilySampler
-from lemon.run.executor import ExecutorCaps, NodeCache
 from lemon.prompts import default_prompts
-from lemon.train.rewards import RewardConfig
+from lemon.run.executor import ExecutorCaps, NodeCache
 from lemon.run.workers import FakeBackend, WorkerPool
+from lemon.train.config import sft_preset, train_preset
+from lemon.train.edits import EditError, FamilySampler
+from lemon.train.rewards import RewardConfig
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
-from lemon.train.grpo import SpecRewarder  # noqa: E402
+from lemon.train.scoring import SpecScorer  # noqa: E402
 
 P = default_prompts()
 SPEC = """agents:
-  - id: plan
+  - id: a1
     base_role: planner
-    role: Planner
-    duty: List the steps for the apples.
+    role: "Planner"
+    duty: "List the steps for the apples."
     capacity: medium
     depends_on: []
-  - id: solve
+  - id: a2
     base_role: solver
-    role: Solver
-    duty: Compute how many apples are left.
+    role: "Solver"
+    duty: "Compute how many apples are left."
     capacity: large
-    depends_on: [plan]
-final: solve
+    depends_on: [a1]
+final: a2
 """
 
 
@@ -42,46 +47,156 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(converted_dir("smollm2-135m"))
 
 
-def _rewarder(tok, lam=1.0, families=("edge", "role", "capacity")):
+def _scorer(lam=1.0, families=("edge", "role", "capacity"), reply=None, concurrency=1):
     # the large worker answers right, the others wrong: a capacity edit of the final agent changes success
-    def reply(capacity):
+    def default(capacity):
         return lambda m, p: "Answer: 18" if capacity == "large" else "Answer: 3"
-    pool = WorkerPool({c: FakeBackend(reply(c), model=f"fake-{c}") for c in ("small", "medium", "large")})
+    pool = WorkerPool({c: FakeBackend((reply or default)(c), model=f"fake-{c}", latency_s=0.0) for c in ("small", "medium", "large")})
     ex = B.load("gsm8k", "test")[0]  # gold 18
-    return SpecRewarder(pool, P, {ex.id: ex}, {"gsm8k": B.get_benchmark("gsm8k")}, tok, reward=RewardConfig(),
-                        caps=ExecutorCaps(), cache=NodeCache(), sampler=FamilySampler(), cf_lambda=lam,
-                        families=families, max_agents=4, seed=0), ex
+    return SpecScorer(pool, P, {ex.id: ex}, {"gsm8k": B.get_benchmark("gsm8k")}, reward=RewardConfig(max_agents=4),
+                      caps=ExecutorCaps(), cache=NodeCache(), sampler=FamilySampler(), cf_lambda=lam, families=families,
+                      max_agents=4, seed=0, concurrency=concurrency), ex
 
 
-def test_rewarder_terms_edits_and_token_positions(tokenizer):
-    rw, ex = _rewarder(tokenizer, families=("capacity",))
-    ids = tokenizer(SPEC, add_special_tokens=False)["input_ids"]
-    comps = [[{"role": "assistant", "content": SPEC}], [{"role": "assistant", "content": "not a spec"}]]
-    funcs, weights = rw.functions()
-    kw = dict(example_id=[ex.id, ex.id], completion_ids=[ids, [1, 2, 3]])
-    vals = [f(comps, **kw) for f in funcs]
-    assert len(rw.batch) == 2
-    ok, bad = rw.batch
-    assert ok.valid and ok.reward.success == 1.0 and not bad.valid and bad.reward.total == -1.0
-    total = [sum(w * v[i] for w, v in zip(weights, vals)) for i in range(2)]
-    assert total[0] == pytest.approx(ok.reward.total) and total[1] == pytest.approx(-1.0)
-    # capacity is the only family allowed; only `solve` (large) and `plan` (medium) are eligible
-    assert ok.family == "capacity" and ok.span_positions and bad.family is None
-    # span mapping equals re-decoding: the selected sampled tokens decode to the edited capacity value
-    decoded = tokenizer.decode([ids[i] for i in ok.span_positions]).strip()
+def _decode(tok):
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+
+
+def test_scorer_terms_edits_and_token_positions(tokenizer):
+    sc, ex = _scorer(families=("capacity",))
+    ids = tuple(tokenizer(SPEC, add_special_tokens=False)["input_ids"])
+    ok, bad = sc.score([(ex.id, SPEC, ids, 0, 0), (ex.id, "not a spec", (1, 2, 3), 0, 0)])
+    assert ok.valid and ok.reward.success == 1.0 and not bad.valid and bad.total == -1.0 and bad.error == "no_yaml"
+    sc.add_counterfactuals([ok, bad], step=0, decode=_decode(tokenizer))
+    # capacity is the only family allowed; a2 (large) and a1 (medium) are eligible
+    assert ok.family == "capacity" and ok.cf_status == "ok" and ok.span_positions and bad.cf_status == "invalid"
+    decoded = tokenizer.decode([ids[i] for i in ok.span_positions]).strip()  # span mapping == re-decoding
     assert decoded in ("medium", "large")
     if decoded == "large":  # downgrading the final agent loses the right answer: positive contrast
         assert ok.delta > 0.5
-    # the four reward functions executed the batch once (cache: each agent computed once per distinct spec)
-    assert rw.cache.stats()["misses"] <= 4
+    row = ok.to_row(1)
+    assert row["family"] == "capacity" and row["reward"] == ok.total and row["span_tokens"] == len(ok.span_positions)
 
 
-def test_rewarder_lambda_zero_makes_no_edits(tokenizer):
-    rw, ex = _rewarder(tokenizer, lam=0.0)
-    ids = tokenizer(SPEC, add_special_tokens=False)["input_ids"]
-    funcs, _ = rw.functions()
-    funcs[0]([[{"role": "assistant", "content": SPEC}]], example_id=[ex.id], completion_ids=[ids])
-    assert rw.batch[0].family is None and rw.batch[0].delta == 0.0 and rw.batch[0].span_positions == ()
+def test_lambda_zero_makes_no_edits(tokenizer):
+    sc, ex = _scorer(lam=0.0)
+    (r,) = sc.score([(ex.id, SPEC, tuple(tokenizer(SPEC)["input_ids"]), 0, 0)])
+    sc.add_counterfactuals([r], step=0, decode=_decode(tokenizer))
+    assert r.family is None and r.delta is None and r.span_positions == () and r.cf_status == "off"
+
+
+def _failing_at(failing: str, message: str):
+    """A reply factory for _scorer: workers of capacity `failing` raise `message`, the others answer 3."""
+    def reply(capacity):
+        def f(m, p):
+            if capacity == failing:
+                raise RuntimeError(message)
+            return "Answer: 3"
+        return f
+    return reply
+
+
+def test_errored_execution_is_never_rewarded_nor_a_side_of_a_contrast(tokenizer):
+    """Defect 4: a worker error used to leave the rollout valid with the tokens that did run, scoring ABOVE an honest wrong
+    answer. Now it has no reward at all (excluded from its group and the loss), and no counterfactual is computed against
+    an errored execution on either side."""
+    sc, ex = _scorer(reply=_failing_at("large", "HTTP 404: model not found"), families=("capacity",))
+    ids = tuple(tokenizer(SPEC)["input_ids"])
+    wrong = SPEC.replace("capacity: large", "capacity: small")
+    errored, honest = sc.score([(ex.id, SPEC, ids, 0, 0), (ex.id, wrong, tuple(tokenizer(wrong)["input_ids"]), 0, 0)])
+    assert errored.errored and errored.total is None and errored.valid and "404" in errored.error
+    assert honest.total == 0.0 and not honest.errored
+    sc.add_counterfactuals([errored, honest], step=0, decode=_decode(tokenizer))
+    assert errored.cf_status == "errored" and errored.delta is None
+    # honest's only capacity edit lowers a1 medium -> small; now make the EDITED side error: medium ok, small raises
+    sc2, _ = _scorer(reply=_failing_at("small", "context overflow"), families=("capacity",))
+    (r,) = sc2.score([(ex.id, SPEC, ids, 0, 0)])
+    sc2.add_counterfactuals([r], step=0, decode=_decode(tokenizer))
+    assert r.cf_status == "cf_errored" and r.delta is None and r.span_positions == ()
+    from lemon.train.cf import step_advantages
+    cm = torch.ones(2, 4)
+    adv, keep, _ = step_advantages([errored.total, honest.total], [0, 0], [0.0, 0.0], cm, torch.zeros(2, 4), lam=1.0)
+    assert keep.tolist() == [False, True] and torch.all(adv == 0)
+
+
+def test_scoring_is_deterministic_under_concurrency(tokenizer):
+    """Same batch, 1 vs 8 executions in flight with jittered worker latency: identical records and sampler state."""
+    def reply(capacity):
+        def f(m, p):
+            time.sleep(random.random() * 0.01)
+            return "Answer: 18" if capacity == "large" else "Answer: 3"
+        return f
+    rng = random.Random(1)
+    texts = []
+    for _ in range(12):
+        caps = [rng.choice(["small", "medium", "large"]) for _ in range(2)]
+        texts.append(SPEC.replace("capacity: medium", f"capacity: {caps[0]}").replace("capacity: large", f"capacity: {caps[1]}"))
+    out = []
+    for conc in (1, 8):
+        sc, ex = _scorer(reply=reply, concurrency=conc)
+        rs = sc.score([(ex.id, t, tuple(tokenizer(t)["input_ids"]), i // 4, 0) for i, t in enumerate(texts)])
+        sc.add_counterfactuals(rs, step=3, decode=_decode(tokenizer))
+        out.append(([(r.total, r.family, r.delta, r.span_positions, r.cf_status) for r in rs], sc.sampler.state_dict()))
+    assert out[0] == out[1]
+
+
+def test_an_edit_that_cannot_be_applied_is_counted_not_raised(tokenizer, monkeypatch):
+    import lemon.train.scoring as S
+    sc, ex = _scorer()
+    (r,) = sc.score([(ex.id, SPEC, tuple(tokenizer(SPEC)["input_ids"]), 0, 0)])
+
+    def boom(*a, **k):
+        raise EditError("cannot locate the depends_on key")
+    monkeypatch.setattr(S, "sample_edit", boom)
+    sc.add_counterfactuals([r], step=0, decode=_decode(tokenizer))
+    assert r.cf_status == "edit_error" and r.delta is None
+
+
+def test_trl_version_guard():
+    from lemon.train.grpo import check_trl
+    with pytest.raises(ImportError, match="too old"):
+        check_trl("0.25.1")
+    check_trl("1.16.0")
+    check_trl("1.15.0")  # Unsloth's cap (requirements-gpu.txt)
+
+
+def test_unsloth_trainer_class_subclasses_the_patched_trl_class(monkeypatch):
+    """Defect 3: the CUDA path must subclass the GRPOTrainer that trl exports AFTER unsloth is imported (a control-flow
+    double stands in for unsloth, which the CPU stack never installs; tests/test_gpu.py runs the real one on CUDA)."""
+    import trl
+    from lemon.train.grpo import CFGRPOMixin, trainer_class
+    real = trl.GRPOTrainer
+
+    class UnslothGRPOTrainer(real):
+        pass
+    fake = types.ModuleType("unsloth")
+    monkeypatch.setitem(sys.modules, "unsloth", fake)
+    with pytest.raises(RuntimeError, match="not Unsloth's"):
+        trainer_class("unsloth")  # imported, but trl was not patched: refuse rather than train unpatched
+    monkeypatch.setattr(trl, "GRPOTrainer", UnslothGRPOTrainer)
+    cls = trainer_class("unsloth")
+    assert issubclass(cls, UnslothGRPOTrainer) and issubclass(cls, CFGRPOMixin)
+    monkeypatch.setattr(trl, "GRPOTrainer", real)
+    assert issubclass(trainer_class("transformers"), real)
+
+
+def test_a_pool_the_trainer_started_is_closed_when_the_policy_fails_to_load(tmp_path, monkeypatch):
+    """Defect 11: the worker pool leaked when policy loading raised."""
+    import lemon.train.pipeline as PL
+    closed = []
+
+    class Pool(WorkerPool):
+        def close(self):
+            closed.append(True)
+    pool = Pool({c: FakeBackend("Answer: 1") for c in ("small", "medium", "large")})
+    monkeypatch.setattr(PL, "build_pool", lambda cfg: pool)
+
+    def fail(*a, **k):
+        raise OSError("no such model")
+    monkeypatch.setattr(PL, "load_policy", fail)
+    with pytest.raises(OSError, match="no such model"):
+        PL.train(train_preset("smoke"), tmp_path / "run", P, progress=False)
+    assert closed == [True]
 
 
 def _lora_state(path):
@@ -106,11 +221,20 @@ def test_real_smoke_training_run_and_resume(tmp_path):
     assert [l["step"] for l in steps] == [1, 2]
     for key in ("reward", "rewards/success/mean", "rewards/token_efficiency/mean", "rewards/graph_cost/mean",
                 "rewards/invalid/mean", "spec/valid_rate", "spec/agents", "tokens/worker_spent", "tokens/cf_spent",
-                "cf/edits", "cf/active", "cf/prob_edge", "cf/prob_role", "cf/prob_capacity", "cache/hits", "time/step_s", "reward_std"):
+                "cf/edits", "cf/active", "cf/edit_errors", "cf/dropped", "rollouts/errored", "step/zero_spread_groups",
+                "cf/prob_edge", "cf/prob_role", "cf/prob_capacity", "cache/hits", "cache/hit_rate", "time/step_s",
+                "adv/scale"):
         assert all(key in l for l in steps), key
+    # grammar-constrained rollouts: every spec parses
+    assert all(l["spec/valid_rate"] == 1.0 for l in steps), [l["spec/valid_rate"] for l in steps]
+    rows = [json.loads(l) for l in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [1, 2] and all(r["valid"] for r in rows)
+    kept1 = [r for r in rows if r["step"] == 1 and r["kept"]]  # kept: false = a zero-spread group's discarded attempt
+    assert len(kept1) == cfg.batch_size
+    discarded1 = [r for r in rows if r["step"] == 1 and not r["kept"]]
+    assert len(discarded1) == cfg.num_generations * steps[0]["step/resampled_groups"]
     moved = any(l["reward_std"] > 0 or l["cf/active"] > 0 for l in steps)
-    # the LoRA weights move exactly when some advantage was non-zero (a group reward spread or a CF contrast); the 135M
-    # policy can write only invalid specs in both steps, and then GRPO has no signal (LOG.md, 2026-11-30)
+    # the LoRA weights move exactly when some advantage was non-zero (a reward spread or a CF contrast)
     assert (changed > 0) == moved, (changed, steps)
     assert (tmp_path / "run" / "grpo" / "checkpoint-2" / "cf_state.json").exists()
     # resume: one more step continues from checkpoint-2 instead of starting over
@@ -118,3 +242,5 @@ def test_real_smoke_training_run_and_resume(tmp_path):
     assert res3["steps"] == 3
     logs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in logs if "reward" in l] == [1, 2, 3]
+    rows = [json.loads(l) for l in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [1, 2, 3]

@@ -7,7 +7,8 @@ from lemon.train.rewards import RewardConfig, compute_reward, graph_cost
 from lemon.spec import parse_spec
 
 torch = pytest.importorskip("torch")
-from lemon.train.cf import cf_advantages, group_advantages, span_token_mask, token_char_offsets  # noqa: E402
+from lemon.train.cf import cf_advantages, group_advantages  # noqa: E402
+from lemon.train.spanmap import span_token_mask, token_char_offsets  # noqa: E402
 
 ONE = "agents:\n  - {id: a, base_role: solver, role: A, duty: Do it., capacity: small}\n"
 FOUR = ("agents:\n  - {id: a, base_role: planner, role: A, duty: x., capacity: small}\n"

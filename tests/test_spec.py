@@ -250,3 +250,16 @@ def test_spans_point_at_values(text):
             col = st - text.rfind("\n", 0, st) - 1  # a block list read out of context needs its first line's indent back
             assert yaml.safe_load(textwrap.dedent(" " * col + text[st:en])) == list(a.depends_on)
             assert not text[st:en].endswith(("\n", " "))
+
+
+def test_json_escaped_emoji_is_joined_and_lone_surrogates_are_refused():
+    """JSON-constrained output escapes an emoji as a surrogate pair; it must parse to the real character (a lone surrogate
+    cannot be encoded, re-dumped or tokenized)."""
+    import json as _json
+    text = _json.dumps({"agents": [{"id": "a", "base_role": "solver", "role": "A", "duty": "Count the \U0001F600.",
+                                    "capacity": "small"}]})
+    assert "\\ud83d" in text
+    spec = S.parse_spec(text)
+    assert spec.agents[0].duty == "Count the \U0001F600." and S.parse_spec(spec.to_yaml()) == spec
+    with pytest.raises(S.BadTextError):
+        S.parse_spec(text.replace("\\ude00", ""))

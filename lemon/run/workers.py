@@ -1,6 +1,6 @@
 """The capacity-level worker pool that runs a spec's agents, a deterministic fake backend for control-flow tests, and the
-token meter. The real backends (llama.cpp, OpenAI-compatible, transformers) and the shared types are in lemon.run.backends and
-re-exported here.
+token meter. The real backends (OpenAI-compatible, transformers) and the shared types are in lemon.run.backends, the managed
+llama-servers of the embedded default in lemon.run.servers; both are re-exported here.
 """
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from lemon.run.backends import Backend, Completion, LlamaCppBackend, OpenAIBackend, SamplingParams, TransformersBackend, UnknownCapacityError
+from lemon.run.backends import Backend, Completion, OpenAIBackend, SamplingParams, TransformersBackend, UnknownCapacityError
 from lemon.run.backends import BackendError, BackendUnavailableError, ModelUnavailableError  # noqa: F401  (re-exported: callers catch these)
 from lemon.run.models import DEFAULT_LADDER, SHIPPED
+from lemon.run.servers import ServerConfig, ServerManager
 
-__all__ = ["Backend", "BackendError", "BackendUnavailableError", "Completion", "FakeBackend", "LlamaCppBackend",
-           "ModelUnavailableError", "OpenAIBackend", "SamplingParams", "TokenMeter", "TransformersBackend",
+__all__ = ["Backend", "BackendError", "BackendUnavailableError", "Completion", "FakeBackend", "ModelUnavailableError",
+           "OpenAIBackend", "SamplingParams", "ServerConfig", "ServerManager", "TokenMeter", "TransformersBackend",
            "UnknownCapacityError", "WorkerPool"]
 
 DEFAULT_MAX_TOKENS = {"small": 256, "medium": 384, "large": 512}
@@ -54,15 +55,19 @@ class FakeBackend:
         pass
 
 
-BACKENDS = {"llama_cpp": LlamaCppBackend, "openai": OpenAIBackend, "transformers": TransformersBackend, "fake": FakeBackend}
+BACKENDS = ("llama_server", "llama_cpp", "openai", "transformers", "fake")
+SERVER_BACKENDS = ("llama_server", "llama_cpp")  # "llama_cpp" (configs before issue 12) now means a managed llama-server
+SERVER_KEYS = tuple(f.name for f in dataclasses.fields(ServerConfig))
 
 
 @dataclass
 class WorkerPool:
-    """Capacity level -> backend + default sampling params. Several capacities may share one backend instance."""
+    """Capacity level -> backend + default sampling params. Several capacities may share one backend instance.
+    `servers`: the llama-servers this pool started (embedded default); close() stops them."""
 
     backends: dict[str, Backend]
     params: dict[str, SamplingParams] = field(default_factory=dict)
+    servers: ServerManager | None = None
 
     def __post_init__(self):
         if set(self.params) - set(self.backends):
@@ -85,24 +90,43 @@ class WorkerPool:
         return self._backend(capacity).model
 
     def describe(self) -> dict:
-        return {cap: {"backend": getattr(b, "backend", type(b).__name__), "model": b.model,
-                      "params": dataclasses.asdict(self.params[cap]),
-                      **({"n_threads": b.n_threads} if getattr(b, "n_threads", None) else {})} for cap, b in self.backends.items()}
+        out = {}
+        for cap, b in self.backends.items():
+            extra = b.describe() if callable(getattr(b, "describe", None)) else {}
+            out[cap] = {"backend": getattr(b, "backend", type(b).__name__), "model": b.model,
+                        "params": dataclasses.asdict(self.params[cap]), **extra}
+        return out
 
     def close(self) -> None:
-        for b in {id(b): b for b in self.backends.values()}.values():  # a shared backend is closed once
-            b.close()
+        try:
+            for b in {id(b): b for b in self.backends.values()}.values():  # a shared backend is closed once
+                b.close()
+        finally:
+            if self.servers is not None:
+                self.servers.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @classmethod
     def embedded_default(cls, ladder: dict[str, str] | None = None, *, max_tokens: dict[str, int] | None = None,
-                         n_ctx: int = 4096) -> "WorkerPool":
-        return cls.from_config({**{cap: {"backend": "llama_cpp", "model": name, "n_ctx": n_ctx}
-                                   for cap, name in (ladder or DEFAULT_LADDER).items()}, "max_tokens": max_tokens or {}})
+                         server: ServerConfig | None = None, log_dir: str | Path | None = None) -> "WorkerPool":
+        """The shipped models (DEFAULT_LADDER unless `ladder`), one managed llama-server per distinct model, logs in
+        `log_dir` (give the run folder; default a fresh temp dir named in describe())."""
+        srv = dataclasses.asdict(server or ServerConfig())
+        return cls.from_config({**{cap: {"backend": "llama_server", "model": name, **srv}
+                                   for cap, name in (ladder or DEFAULT_LADDER).items()}, "max_tokens": max_tokens or {}},
+                               log_dir=log_dir)
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "WorkerPool":
+    def from_config(cls, cfg: dict, *, log_dir: str | Path | None = None) -> "WorkerPool":
         """cfg: {capacity: {"backend": name, "model": ..., other constructor kwargs}, "max_tokens": {capacity: n}}.
-        Identical entries share one backend instance (one copy of the weights in memory)."""
+        Identical entries share one backend instance (one copy of the weights in memory). `llama_server` entries (alias
+        `llama_cpp`) name a shipped model or a GGUF path plus optional ServerConfig fields; the pool starts one server per
+        distinct entry and stops them on close(); their logs go to `log_dir`."""
         if not isinstance(cfg, dict):
             raise ValueError(f"worker config must be a mapping, got {type(cfg).__name__}")
         cfg = dict(cfg)
@@ -111,34 +135,74 @@ class WorkerPool:
             raise ValueError("worker config names no capacities")
         if set(max_tokens) - set(cfg):
             raise ValueError(f"max_tokens for capacities not in the config: {sorted(set(max_tokens) - set(cfg))}")
+        for cap, entry in cfg.items():
+            if not isinstance(entry, dict) or "backend" not in entry or "model" not in entry:
+                raise ValueError(f"worker config for {cap!r} must be a mapping with 'backend' and 'model'")
+            if entry["backend"] not in BACKENDS:
+                raise ValueError(f"unknown backend {entry['backend']!r} for {cap!r}; valid: {list(BACKENDS)}")
         shared: dict[str, Backend] = {}
-        backends = {}
-        cpu_lock = threading.Lock()  # every in-process llama.cpp decode uses all cores: one at a time (LlamaCppBackend)
+        backends, manager = {}, None
         try:
+            servers = _plan_servers(cfg)
+            if servers:
+                manager = ServerManager(log_dir)
+                for alias, (model, scfg) in servers.items():
+                    if model in SHIPPED:
+                        manager.add_shipped(model, scfg, alias)
+                    else:
+                        manager.add(alias, model, scfg)
+                manager.start()
             for cap, entry in cfg.items():
-                if not isinstance(entry, dict) or "backend" not in entry or "model" not in entry:
-                    raise ValueError(f"worker config for {cap!r} must be a mapping with 'backend' and 'model'")
-                if entry["backend"] not in BACKENDS:
-                    raise ValueError(f"unknown backend {entry['backend']!r} for {cap!r}; valid: {list(BACKENDS)}")
                 k = json.dumps(entry, sort_keys=True, default=str)
-                backends[cap] = shared[k] = shared.get(k) or _make_backend(dict(entry), cpu_lock)
+                if k not in shared:
+                    shared[k] = (manager.backend(_server_alias(entry, servers)) if entry["backend"] in SERVER_BACKENDS
+                                 else _make_backend(dict(entry)))
+                backends[cap] = shared[k]
         except BaseException:
-            for b in shared.values():  # do not leak already-loaded weights when a later entry is bad
+            for b in shared.values():  # do not leak already-loaded weights or started servers when a later entry is bad
                 b.close()
+            if manager is not None:
+                manager.close()
             raise
         return cls(backends, {cap: SamplingParams(max_tokens=int(max_tokens.get(cap, DEFAULT_MAX_TOKENS.get(cap, 256))))
-                              for cap in backends})
+                              for cap in backends}, servers=manager)
 
 
-def _make_backend(entry: dict, cpu_lock: threading.Lock | None = None) -> Backend:
+def _plan_servers(cfg: dict) -> dict[str, tuple[str, ServerConfig]]:
+    """alias -> (model, ServerConfig) for the distinct llama_server entries; the alias is the model's name (its file stem
+    for a path, or `name`), suffixed when one model runs under two configurations."""
+    plan, seen = {}, {}
+    for cap, e in cfg.items():
+        if e["backend"] not in SERVER_BACKENDS:
+            continue
+        model = str(e["model"])
+        if model not in SHIPPED and not (model.endswith(".gguf") and Path(model).is_file()):
+            raise ValueError(f"{e['backend']} model {model!r} for {cap!r} is neither a shipped model ({list(SHIPPED)}) "
+                             "nor a GGUF file")
+        unknown = set(e) - {"backend", "model", "name", *SERVER_KEYS}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} for the {e['backend']} worker {cap!r}; valid: model, name, "
+                             f"{', '.join(SERVER_KEYS)}")
+        scfg = ServerConfig(**{k: v for k, v in e.items() if k in SERVER_KEYS})
+        key = (model, json.dumps(dataclasses.asdict(scfg), sort_keys=True))
+        if key in seen:
+            continue
+        base = e.get("name") or (model if model in SHIPPED else Path(model).stem)
+        alias, i = base, 2
+        while alias in plan:
+            alias, i = f"{base}-{i}", i + 1
+        plan[alias], seen[key] = (model, scfg), alias
+    return plan
+
+
+def _server_alias(entry: dict, plan: dict[str, tuple[str, ServerConfig]]) -> str:
+    model = str(entry["model"])
+    scfg = ServerConfig(**{k: v for k, v in entry.items() if k in SERVER_KEYS})
+    return next(a for a, (m, c) in plan.items() if m == model and c == scfg)
+
+
+def _make_backend(entry: dict) -> Backend:
     kind, model = entry.pop("backend"), entry.pop("model")
-    if kind == "llama_cpp":
-        entry.setdefault("cpu_lock", cpu_lock)
-        if model in SHIPPED:
-            return LlamaCppBackend.shipped(model, **entry)
-        if Path(model).is_file():
-            return LlamaCppBackend(model, entry.pop("name", Path(model).stem), **entry)
-        raise ValueError(f"llama_cpp model {model!r} is neither a shipped model ({list(SHIPPED)}) nor a GGUF file")
     if kind == "openai":
         if "base_url" not in entry:
             raise ValueError(f"openai backend for {model!r} needs base_url")

@@ -35,3 +35,4 @@ UnknownCapacityError = _err("unknown_capacity", "capacity is not small / medium 
 UnknownBaseRoleError = _err("unknown_base_role", "base_role is not in the base-role library.")
 BadFinalError = _err("bad_final", "final does not name an agent.")
 TooLongError = _err("too_long", "A field (or the whole text) is longer than allowed.")
+BadTextError = _err("bad_text", "A string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text.")

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import yaml
 
 from lemon.prompts import CAPACITIES, default_prompts
-from lemon.spec.errors import (BadFinalError, BadIdError, DuplicateDependencyError, DuplicateIdError, EmptyError,  # noqa: F401
+from lemon.spec.errors import (BadFinalError, BadTextError, BadIdError, DuplicateDependencyError, DuplicateIdError, EmptyError,  # noqa: F401
                           ForwardDependencyError, MissingFieldError, NotMappingError, NoYamlError, SelfDependencyError,
                           SpecError, TooLongError, TooManyAgentsError, UnknownBaseRoleError, UnknownCapacityError,
                           UnknownDependencyError, UnknownFieldError, WrongTypeError, YamlSyntaxError)  # re-exported
@@ -122,13 +123,16 @@ class Spec:
                            for a in self.agents], "final": self.final}
 
     def to_yaml(self) -> str:
-        """Canonical, deterministic YAML: block agents, fixed field order, flow-style depends_on, JSON-quoted strings
-        wherever a plain scalar could be misread. parse_spec(spec.to_yaml()) == spec."""
+        """Canonical, deterministic YAML, the SFT target format and exactly the language of lemon.spec.grammar for a
+        canonical() spec: block agents, fixed field order, role and duty always double-quoted (JSON) strings, flow-style
+        depends_on, other strings plain unless a plain scalar could be misread. parse_spec(spec.to_yaml()) == spec."""
         lines = ["agents:"]
         for a in self.agents:
             lines.append(f"  - id: {_scalar(a.id)}")
-            for f in ("base_role", "role", "duty", "capacity"):
-                lines.append(f"    {f}: {_scalar(getattr(a, f))}")
+            lines.append(f"    base_role: {_scalar(a.base_role)}")
+            lines.append(f"    role: {json.dumps(a.role, ensure_ascii=False)}")
+            lines.append(f"    duty: {json.dumps(a.duty, ensure_ascii=False)}")
+            lines.append(f"    capacity: {_scalar(a.capacity)}")
             lines.append(f"    depends_on: [{', '.join(_scalar(d) for d in a.depends_on)}]")
         lines.append(f"final: {_scalar(self.final)}")
         return "\n".join(lines) + "\n"
@@ -143,6 +147,51 @@ def _scalar(s: str) -> str:
             and yaml.safe_load(s) == s:
         return s
     return json.dumps(s, ensure_ascii=False)
+
+
+# ---- the canonical form (lemon.spec.grammar's language) -----------------------------------------------------------------
+# role / duty alphabet of the constrained grammar: ASCII letters, digits, space and TEXT_PUNCT; no quote, backslash, colon
+# or '#', so a double-quoted value needs no escape and cannot end the YAML scalar early. Starts with a letter, ends with a
+# non-space (parse_spec strips values, so a trailing space could not round-trip).
+TEXT_PUNCT = " ,.;()'/?!+*=<>-"
+ROLE_CHARS, DUTY_CHARS = 48, 200  # grammar bounds: an unbounded string ran to the token cap (issue 11: 2 of 4 samples at T=1)
+_TEXT_MAP = {":": " -", '"': "'", "\\": "/", "#": "no. ", "%": " percent", "&": " and ", "_": " ", "[": "(", "]": ")",
+             "{": "(", "}": ")", "|": "/", "`": "'", "\u2018": "'", "\u2019": "'", "\u201c": "'", "\u201d": "'",
+             "\u2013": "-", "\u2014": "-", "\u2212": "-", "\u00d7": "*", "\u00f7": "/"}
+
+
+def clean_text(s: str, max_chars: int) -> str:
+    """s in the grammar's role/duty alphabet: mapped punctuation (':' -> ' -', '"' -> "'", ...), accents dropped (NFKD),
+    other characters removed, whitespace runs collapsed, leading non-letters dropped, clipped to max_chars. '' if nothing
+    is left. Identity on text already in the alphabet with single spaces."""
+    out = []
+    for ch in s:
+        ch = _TEXT_MAP.get(ch, ch)
+        if ch.isspace():
+            ch = " "
+        for c in unicodedata.normalize("NFKD", ch):
+            if c.isascii() and (c.isalnum() or c in TEXT_PUNCT):
+                out.append(c)
+    t = re.sub(r" {2,}", " ", "".join(out))
+    t = re.sub(r"^[^A-Za-z]+", "", t)
+    return t[:max_chars].rstrip()
+
+
+def canonical(spec: Spec, *, role_chars: int = ROLE_CHARS, duty_chars: int = DUTY_CHARS) -> Spec:
+    """The spec in lemon.spec.grammar's language, so any valid spec can become an SFT target the constrained policy can
+    write: agents after `final` dropped (dependencies point backwards, so they cannot reach it) and `final` is the last
+    agent; ids renamed a1..an by position, depends_on remapped and sorted by position; role / duty through clean_text
+    (an emptied role falls back to the base role's name, an emptied duty to a generic one). The result is built in code
+    (no text): parse its to_yaml() for spans."""
+    keep = spec.agents[:spec.index(spec.final) + 1]
+    new_id = {a.id: f"a{i + 1}" for i, a in enumerate(keep)}
+    agents = []
+    for a in keep:
+        role = clean_text(a.role, role_chars) or clean_text(a.base_role, role_chars) or "Agent"
+        duty = clean_text(a.duty, duty_chars) or "Do your part of the task."
+        deps = tuple(sorted((new_id[d] for d in a.depends_on), key=lambda d: int(d[1:])))
+        agents.append(Agent(new_id[a.id], a.base_role, role, duty, a.capacity, deps))
+    return Spec(tuple(agents), new_id[spec.final])
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
@@ -167,10 +216,21 @@ def parse_spec(text: str, *, base_roles: Iterable[str] | None = None, max_agents
     return _build(nodes[0], text, off, roles, max_agents)
 
 
+def _join_surrogates(s: str, where: str, name: str) -> str:
+    """JSON's escapes of an astral character ("\\ud83d\\ude00", json.dumps' default for an emoji) reach us as two lone
+    surrogates, which cannot be encoded, re-dumped or tokenized: join the pairs; a lone one is not text (BadTextError)."""
+    if not any("\ud800" <= c <= "\udfff" for c in s):
+        return s
+    try:
+        return s.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        raise BadTextError(f"{name} holds a lone UTF-16 surrogate escape", where) from None
+
+
 def _string(node, where: str, name: str) -> str:
     if not isinstance(node, yaml.ScalarNode) or node.tag != _STR_TAG:
         raise WrongTypeError(f"{name} must be a string, got {_kind(node)}", where)
-    s = node.value.strip()
+    s = _join_surrogates(node.value, where, name).strip()
     if not s:
         raise EmptyError(f"{name} is empty", where)
     if len(s) > MAX_LEN[name]:

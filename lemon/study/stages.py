@@ -13,7 +13,7 @@ from lemon import benchmarks as B
 from lemon.eval.baselines import BASELINES
 from lemon.train.edits import FAMILIES
 from lemon.eval.runner import EvalConfig, read_rows, run_eval
-from lemon.run.executor import ExecutorCaps
+from lemon.run.executor import ExecutorCaps, domain_reply_caps
 from lemon.manifest import write_json
 from lemon.eval.orchestrator import OrchestratorConfig, PolicySpecWriter
 from lemon.study.runner import ORCHESTRATORS, VARIANTS, StudyConfig, StudyPaths, load_samples
@@ -88,7 +88,6 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
     rows = read_rows(paths.edits)
     done = {r["key"] for r in rows}
     cache = NodeCache(path=paths.edits.with_name("edit_node_cache.jsonl"))
-    caps = eval_caps(cfg)
     jobs = [(b, ex, k) for b, exs in samples.items() for ex in exs for k in range(cfg.edit_specs)]
     for b, ex, k in tqdm(jobs, desc="edit effects", disable=not progress):
         bench = B.get_benchmark(b)
@@ -101,6 +100,7 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
                 key = f"{ex.id}|{k}|{fam}|{'>'.join(site)}"
                 if key in done:
                     continue
+                caps = eval_caps(cfg, b)
                 orig = orig or execute(spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed)
                 e = apply_edit(spec, fam, site, prompts)
                 tr = execute(e.spec, ex, bench, pool, prompts=prompts, cache=cache, caps=caps, seed=cfg.seed)
@@ -143,13 +143,21 @@ def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
 
 # ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
 def eval_pool(cfg: StudyConfig):
-    """The worker pool of notebooks 03/04: the one LEMON was trained with (same models and reply caps); close it when done."""
+    """The worker pool of notebooks 03/04: the models LEMON was trained with, its reply caps raised to what the evaluated
+    benchmarks' domains need (lemon.run.executor.domain_reply_caps; eval_caps clips each benchmark back to its own).
+    Close it when done."""
     from lemon.train.pipeline import build_pool
-    return build_pool(cfg.train)
+    domains = {B.get_benchmark(b).domain for b in (*cfg.benchmarks, *cfg.ablation_benchmarks)}
+    caps = [domain_reply_caps(cfg.train.worker_max_tokens, d) for d in domains] or [dict(cfg.train.worker_max_tokens)]
+    return build_pool(replace(cfg.train, worker_max_tokens={c: max(x[c] for x in caps) for c in caps[0]}))
 
 
-def eval_caps(cfg: StudyConfig) -> ExecutorCaps:
-    return ExecutorCaps(max_agents=max(cfg.train.max_agents, cfg.n_agents, 4), max_tokens=dict(cfg.train.worker_max_tokens))
+def eval_caps(cfg: StudyConfig, benchmark: str = "gsm8k") -> ExecutorCaps:
+    """Executor caps of one evaluated benchmark: the training reply caps raised for its domain (code needs more), the
+    training task budget, and room for the baselines' agents. Recorded in each eval folder's manifest."""
+    return ExecutorCaps(max_agents=max(cfg.train.max_agents, cfg.n_agents, 4),
+                        max_tokens=domain_reply_caps(cfg.train.worker_max_tokens, B.get_benchmark(benchmark).domain),
+                        task_token_budget=max(cfg.train.task_token_budget, 6000))
 
 
 def orch_config(cfg: StudyConfig) -> OrchestratorConfig:
@@ -194,7 +202,7 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
         for b, exs in examples.items():
             ecfg = EvalConfig("orchestrator" if method not in BASELINES else method, b, B.POOL_SPLITS["eval"][b], seed=cfg.seed,
                               capacity=cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
-            s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg), orch=orch_config(cfg), writer=writer,
+            s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
                          examples=exs, progress=progress)
             sums.append({**s, "method": method})
     finally:

@@ -1,51 +1,50 @@
-"""The counterfactual term as per-token advantages (DESIGN.md "Counterfactual GRPO, concretely").
+"""The counterfactual term as per-token advantages (paper §3.3), in the same units as the global GRPO advantage.
 
-For rollout i with group-normalised advantage A_i, counterfactual contrast delta_i = r(y_i) - r(y_i') and edited-span token
-set S_i:    A_{i,t} = A_i + lambda * delta_i * 1[t in S_i]        (shape (B, T))
-Putting the term into the advantages (not into a custom loss) keeps it working under TRL's GRPOTrainer and under Unsloth, which
-replaces compute_loss on CUDA but accepts (B, T) advantages. lambda = 0 gives plain GRPO exactly.
+Paper (as first read by this project), for rollout i of a group, group-normalised A_i, contrast delta_i = r(y_i) - r(y_i') of
+one edit and the edited span's tokens S_i:
+        A_{i,t} = A_i + lambda * delta_i * 1[t in S_i],        A_i = (r_i - mean_group r) / std_group r
+There delta_i is raw reward while A_i is divided by the group's std, so the CF term's weight changes from group to group (a
+group with spread 0.05 multiplies A by 20 and leaves delta alone). LEMON divides BOTH by one scale s:
+        A_{i,t} = [ (r_i - mean_group r) + lambda * delta_i * 1[t in S_i] ] / s_i                         (B, T)
+with s = max(std of the step's rewards, std_floor) ("batch", the default: PPO-lite / TRL's scale_rewards="batch"),
+s = max(std of the group, std_floor) ("group"), or s = 1 ("none", Dr. GRPO). The floor keeps a step or group without
+spread from dividing a counterfactual contrast by ~0. lambda = 0 gives plain GRPO exactly (same scale, same masking).
 
-Span -> token mapping works on the SAMPLED ids (never re-tokenises the text): token t covers the characters between the
-decoded lengths of ids[:t] and ids[:t+1]; a token is in S_i when that range overlaps the edited value's character span.
+Span length: the CF weight of a token does NOT depend on how many tokens the span has. The edited field is one action whose
+log-probability is the SUM of its tokens' log-probs, so REINFORCE on that action puts the same weight delta/s on each of its
+tokens: a 20-token duty and a 1-token capacity get the same per-token weight, and the duty's total gradient is the sum over
+its tokens, exactly as the global term treats a whole completion (tests/test_cf.py checks this against log-prob sums).
+
+Rollouts whose execution errored (reward None) are excluded: they do not enter any group mean or scale, get advantage 0 and
+are masked out of the loss (`keep`); a group with fewer than 2 scored rollouts has no baseline and gets 0.
+The span -> token mapping lives in lemon.train.spanmap.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import torch
 
-Span = tuple[int, int]
-
-
-def token_char_offsets(ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[Span]:
-    """[start, end) characters of each sampled token in decode(ids), by incremental decoding. A token that completes a
-    multi-byte character only after the next one gets an empty range here and the following token covers the character."""
-    offsets, prev = [], 0
-    ids = list(ids)
-    for t in range(len(ids)):
-        n = len(decode(ids[: t + 1]).rstrip("\ufffd"))  # an unfinished UTF-8 sequence decodes to U+FFFD: not yet a char
-        offsets.append((prev, max(prev, n)))
-        prev = max(prev, n)
-    return offsets
-
-
-def span_token_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> list[bool]:
-    """True for every token whose character range overlaps any of `spans` (half-open intervals)."""
-    return [any(s < e_tok and s_tok < e for s, e in spans) and e_tok > s_tok for s_tok, e_tok in offsets]
+# moved to lemon.train.spanmap (issue 11, defect 6); re-exported for callers not yet pointed there
+from lemon.train.spanmap import span_token_mask, token_char_offsets  # noqa: F401
 
 
 def cf_advantages(adv: torch.Tensor, completion_mask: torch.Tensor, span_mask: torch.Tensor, delta: torch.Tensor,
-                  lam: float) -> torch.Tensor:
-    """Per-token advantages.
-    adv (B,) group-normalised; completion_mask (B, T) 1 on real completion tokens; span_mask (B, T) 1 on edited-span tokens
-    (all-zero rows for rollouts without an edit); delta (B,) contrast (0 where no edit). Returns (B, T), zero on padding."""
+                  lam: float, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token advantages (adv_i + lam * delta_i * 1[t in S_i]) / scale_i.
+    adv (B,) group-centred (or already normalised when scale is None); completion_mask (B, T) 1 on real completion tokens;
+    span_mask (B, T) 1 on edited-span tokens (all-zero rows for rollouts without an edit); delta (B,) contrast (0 where no
+    edit); scale (B,) the common divisor (None = 1). Returns (B, T), zero on padding."""
     if adv.dim() != 1 or completion_mask.shape != span_mask.shape or completion_mask.shape[0] != adv.shape[0] \
             or delta.shape != adv.shape:
         raise ValueError(f"shape mismatch: adv {tuple(adv.shape)}, completion_mask {tuple(completion_mask.shape)}, "
                          f"span_mask {tuple(span_mask.shape)}, delta {tuple(delta.shape)}")
     m = completion_mask.to(adv.dtype)  # (B, T)
     s = span_mask.to(adv.dtype) * m  # (B, T) a span never reaches into padding
-    return adv[:, None] * m + lam * delta[:, None] * s  # (B, T)
+    out = adv[:, None] * m + lam * delta[:, None] * s  # (B, T)
+    if scale is not None:
+        if scale.shape != adv.shape:
+            raise ValueError(f"scale has shape {tuple(scale.shape)}, expected {tuple(adv.shape)}")
+        out = out / scale[:, None].to(out.dtype)
+    return out
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: bool = True) -> torch.Tensor:
@@ -57,3 +56,38 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     if scale:
         a = a / (r.std(dim=1, keepdim=True) + eps)
     return a.reshape(-1)  # (B,)
+
+
+SCALES = ("batch", "group", "none")
+
+
+def step_advantages(rewards, groups, deltas, completion_mask: torch.Tensor, span_mask: torch.Tensor, *, lam: float,
+                    scale: str = "batch", std_floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One step's (B, T) advantages from per-rollout rewards (None = errored, excluded), group ids and CF deltas (0 where
+    there is no counterfactual). Returns (advantages (B, T), keep (B,) bool, the batch scale s (for logging; the mean of
+    s_i under "group"))."""
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r}; valid: {', '.join(SCALES)}")
+    if std_floor <= 0:
+        raise ValueError(f"std_floor={std_floor} must be > 0")
+    B = completion_mask.shape[0]
+    if not len(rewards) == len(groups) == len(deltas) == B:
+        raise ValueError(f"{len(rewards)} rewards, {len(groups)} groups, {len(deltas)} deltas for a batch of {B}")
+    keep = torch.tensor([r is not None for r in rewards])  # (B,)
+    r = torch.tensor([float(x) if x is not None else 0.0 for x in rewards], dtype=torch.float32)  # (B,)
+    g = torch.tensor(groups)  # (B,)
+    centred = torch.zeros(B)  # (B,) r_i - mean of its group's scored rewards
+    s = torch.ones(B)  # (B,)
+    for gid in g.unique():
+        m = (g == gid) & keep
+        if m.sum() >= 2:
+            centred[m] = r[m] - r[m].mean()
+            if scale == "group":
+                s[m] = max(float(r[m].std(unbiased=False)), std_floor)
+    if scale == "batch":
+        vals = r[keep]
+        s[:] = max(float(vals.std(unbiased=False)) if vals.numel() >= 2 else 0.0, std_floor)
+    delta = torch.tensor([float(d) for d in deltas]) * keep  # (B,) never a contrast on an errored rollout
+    adv = cf_advantages(centred, completion_mask, span_mask, delta, lam, scale=s)  # (B, T)
+    adv = adv * keep[:, None].to(adv.dtype)
+    return adv, keep, float(s[keep].mean()) if keep.any() else float(s.mean())

@@ -4,11 +4,36 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from lemon.spec import MAX_AGENTS
+from lemon.train.dtype import SAMPLING_DTYPES
+from lemon.train.edits import FAMILIES
 from lemon.train.policy import PolicyConfig
 from lemon.train.rewards import RewardConfig
 from lemon.train.sft import SFTConfig
 
 PROFILES = ("smoke", "cpu", "paper")
+TRAIN_DTYPES = ("auto", "fp32", "bf16")
+
+
+# Measured sizes used to size presets (2026-12-01; tests/test_config.py re-measures them with the real tokenizers):
+SPEC_TOKENS_PER_AGENT = 90
+"""Qwen2.5 tokens of one agent of a canonical spec with the grammar's longest role (48 chars) and duty (200 chars), ~85."""
+SPEC_TOKENS_FIXED = 16
+"""Tokens of `agents:` and `final: aN` around the agents."""
+WORKER_PROMPT_TOKENS = 420
+"""Worker prompt tokens of one agent before any parent output (system + user template + a long GSM8K question), ~360."""
+
+
+def size_budgets(max_agents: int, worker_max_tokens: dict, max_context_tokens: int = 600) -> dict:
+    """Token sizes that follow from a preset's limits, so that no allowed spec is cut off by a budget it cannot see:
+    `completion` = the longest spec of max_agents agents; `task` = the nominal worker tokens of the most expensive
+    allowed spec (a complete DAG, every agent at the largest reply cap, every edge passing a parent's reply of at most
+    max_context_tokens); `efficiency` = the same, so token efficiency is 0 only for the worst spec and stays informative
+    for every multi-agent spec (a 3-agent chain at the cpu caps keeps ~0.5)."""
+    reply = max(worker_max_tokens.values())
+    edges = max_agents * (max_agents - 1) // 2
+    worst = max_agents * (WORKER_PROMPT_TOKENS + reply) + edges * min(reply, max_context_tokens)
+    return {"completion": SPEC_TOKENS_FIXED + max_agents * SPEC_TOKENS_PER_AGENT, "task": worst, "efficiency": worst}
 
 
 @dataclass(frozen=True)
@@ -20,9 +45,9 @@ class TrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The orchestrator model and its LoRA."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """Reward weights, token budget, invalid-spec penalty."""
+    """Reward form, weights, token budget, invalid-spec penalty."""
     workers: dict = field(default_factory=dict)
-    """Worker pool config for lemon.run.workers.WorkerPool.from_config ({} = the embedded llama.cpp ladder)."""
+    """Worker pool config for lemon.run.workers.WorkerPool.from_config ({} = the embedded default ladder)."""
     benchmarks: tuple[str, ...] = ("gsm8k",)
     """Training benchmarks (their TRAIN pools only; see lemon.benchmarks.pools)."""
     train_questions: int = 16
@@ -30,7 +55,9 @@ class TrainConfig:
     num_generations: int = 4
     """GRPO group size G (paper: 4)."""
     batch_size: int = 4
-    """Completions per optimisation step; must be a multiple of num_generations."""
+    """Completions per optimisation step (= questions per step x G); must be a multiple of num_generations."""
+    micro_batch: int = 0
+    """Completions per forward/backward pass (gradient accumulation up to batch_size); 0 = batch_size."""
     max_steps: int = 12
     """Optimisation steps."""
     learning_rate: float = 2e-5
@@ -40,19 +67,39 @@ class TrainConfig:
     temperature: float = 1.0
     """Sampling temperature of the orchestrator's rollouts."""
     max_completion_length: int = 320
-    """Max spec tokens per rollout (a spec is ~150-250 tokens)."""
+    """Max spec tokens per rollout (size_budgets()['completion'] holds the longest allowed spec)."""
     max_agents: int = 4
-    """Most agents a spec may have (told to the model, enforced by the parser)."""
+    """Most agents a spec may have (told to the model, enforced by the parser and the grammar)."""
+    constrained: bool = True
+    """Sample specs under the spec grammar (lemon.spec.grammar): every rollout is valid; False = the unconstrained ablation."""
     cf_lambda: float = 1.0
     """Weight of the counterfactual contrast on the edited span; 0 = plain GRPO ("global RL only")."""
-    cf_families: tuple[str, ...] = ("edge", "role", "capacity")
+    cf_families: tuple[str, ...] = FAMILIES
     """Edit families allowed (an ablation may keep one)."""
     family_floor: float = 0.1
     """Probability floor of each family in the adaptive sampler."""
+    scale_rewards: str = "batch"
+    """Divisor of both the global and the CF advantage: 'batch' std, 'group' std or 'none' (lemon.train.cf)."""
+    std_floor: float = 0.1
+    """Smallest divisor under 'batch' / 'group' scaling (a flat step must not blow up a counterfactual contrast)."""
+    resample: int = 1
+    """Dynamic sampling: extra attempts for a group whose rewards have no spread (0 = keep every group as sampled)."""
+    curriculum: bool = True
+    """Prefer training questions whose groups had reward spread (labels from training executions)."""
+    worker_seed_per_step: bool = False
+    """A fresh worker seed each step (the testbed's simulated workers); False = the run seed always (greedy real workers)."""
+    rollout_concurrency: int = 8
+    """Spec executions in flight at once (workers bound it further by their own slots)."""
+    sample_dtype: str = "auto"
+    """How rollouts are sampled (lemon.train.dtype): 'auto' (a bf16 copy on a native-bf16 CPU), 'model', 'bf16_copy', 'autocast_bf16'."""
+    train_dtype: str = "auto"
+    """Loss forward/backward: 'auto' (bf16 autocast where the CPU supports it, fp32 otherwise; CUDA: bf16), 'fp32', 'bf16'."""
     worker_max_tokens: dict = field(default_factory=lambda: {"small": 192, "medium": 256, "large": 320})
     """Per-capacity cap on each agent's reply during training."""
+    task_token_budget: int = 6000
+    """Nominal worker tokens of one execution past which its remaining levels are not run (score 0)."""
     save_steps: int = 2
-    """Checkpoint every this many steps (resume restores optimizer, RNG, sampler state)."""
+    """Checkpoint every this many steps (resume restores optimizer, RNG, sampler and curriculum state)."""
     seed: int = 0
     """Seeds question sampling, rollouts, edits and workers."""
 
@@ -64,43 +111,70 @@ class TrainConfig:
         if self.batch_size % self.num_generations:
             raise ValueError(f"batch_size={self.batch_size} is not a multiple of num_generations={self.num_generations}: "
                              "every prompt's group must fit in one batch")
+        mb = self.micro_batch or self.batch_size
+        if self.batch_size % mb:
+            raise ValueError(f"micro_batch={self.micro_batch} must divide batch_size={self.batch_size} (gradient accumulation)")
         if self.cf_lambda < 0:
             raise ValueError("cf_lambda must be >= 0 (the sign of the contrast is carried by delta)")
-        bad = set(self.cf_families) - {"edge", "role", "capacity"}
+        bad = set(self.cf_families) - set(FAMILIES)
         if bad or not self.cf_families:
-            raise ValueError(f"cf_families {self.cf_families} must be a non-empty subset of edge, role, capacity")
-        if not 1 <= self.max_agents <= 8:
-            raise ValueError("max_agents must be in 1..8")
-        if self.train_questions < 1 or self.max_steps < 1 or self.save_steps < 1:
-            raise ValueError("train_questions, max_steps and save_steps must be >= 1")
+            raise ValueError(f"cf_families {self.cf_families} must be a non-empty subset of {', '.join(FAMILIES)}")
+        if not 1 <= self.max_agents <= MAX_AGENTS:
+            raise ValueError(f"max_agents must be in 1..{MAX_AGENTS}")
+        if self.train_questions < self.batch_size // self.num_generations:
+            raise ValueError(f"train_questions={self.train_questions} < {self.batch_size // self.num_generations} questions "
+                             "per step (batch_size / num_generations)")
+        if self.max_steps < 1 or self.save_steps < 1 or self.resample < 0 or self.rollout_concurrency < 1:
+            raise ValueError("max_steps, save_steps and rollout_concurrency must be >= 1 and resample >= 0")
+        if self.scale_rewards not in ("batch", "group", "none") or self.std_floor <= 0:
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} must be batch|group|none and std_floor > 0")
+        if self.sample_dtype not in (*SAMPLING_DTYPES, "auto") or self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"sample_dtype must be auto or one of {SAMPLING_DTYPES} and train_dtype one of {TRAIN_DTYPES}")
+        if self.reward.max_agents != self.max_agents:
+            raise ValueError(f"reward.max_agents={self.reward.max_agents} != max_agents={self.max_agents}: graph cost must be "
+                             "normalised by the largest spec training allows (use train_preset, or set both)")
+        need = size_budgets(self.max_agents, self.worker_max_tokens)["completion"]
+        if self.constrained and self.max_completion_length < need:
+            raise ValueError(f"max_completion_length={self.max_completion_length} cannot hold a {self.max_agents}-agent spec "
+                             f"(~{need} tokens, lemon.train.config.size_budgets)")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _sized(profile: str, max_agents: int, worker_max_tokens: dict, reward: RewardConfig | None = None, **kw) -> TrainConfig:
+    """A TrainConfig whose completion length, task budget and efficiency budget follow from its limits (size_budgets)."""
+    b = size_budgets(max_agents, worker_max_tokens)
+    reward = replace(reward or RewardConfig(), max_agents=max_agents, token_budget=b["efficiency"])
+    return TrainConfig(profile=profile, max_agents=max_agents, worker_max_tokens=worker_max_tokens, reward=reward,
+                       max_completion_length=b["completion"], task_token_budget=b["task"], **kw)
+
+
 def train_preset(profile: str, **overrides) -> TrainConfig:
-    """The named preset, with field overrides (e.g. cf_lambda=0.0 for the global-RL-only ablation)."""
+    """The named preset, with field overrides (e.g. cf_lambda=0.0 for the global-RL-only ablation). Sizes come from
+    size_budgets(); override max_agents / worker_max_tokens through the preset, not afterwards."""
     if profile == "smoke":
-        # CI: the 135M policy and 135M workers everywhere, a couple of steps on 2 questions.
-        cfg = TrainConfig(profile="smoke", policy=PolicyConfig(model="smollm2-135m", lora_r=8, lora_alpha=16),
-                          workers={c: {"backend": "llama_cpp", "model": "smollm2-135m"} for c in ("small", "medium", "large")},
-                          train_questions=2, num_generations=2, batch_size=2, max_steps=2, max_completion_length=200,
-                          max_agents=3, worker_max_tokens={"small": 16, "medium": 24, "large": 32}, save_steps=1,
-                          learning_rate=1e-4, temperature=0.6)  # a 135M policy at T=1 writes almost no valid spec
+        # CI: the 135M policy and 135M workers everywhere, 2 steps on 2 questions, grammar-constrained.
+        cfg = _sized("smoke", 3, {"small": 16, "medium": 24, "large": 32},
+                     policy=PolicyConfig(model="smollm2-135m", lora_r=8, lora_alpha=16),
+                     workers={c: {"backend": "llama_cpp", "model": "smollm2-135m"} for c in ("small", "medium", "large")},
+                     train_questions=2, num_generations=2, batch_size=2, max_steps=2, save_steps=1,
+                     learning_rate=1e-4, temperature=1.0, curriculum=False)
     elif profile == "cpu":
-        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers. Sized from the `cpu` study's measured unit
-        # times (2026-11-30, LOG.md): CF-GRPO 215-333 s per step of 4 rollouts, so 8 steps ~37 min; with the warm start
-        # below (16 questions at ~100 s each ~27 min, probes + SFT ~5 min) `lemon train --profile cpu` is ~70 min.
-        cfg = TrainConfig(profile="cpu", max_steps=8)
+        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, 2 questions x G=4 per step.
+        cfg = _sized("cpu", 4, {"small": 192, "medium": 256, "large": 320}, train_questions=64, num_generations=4,
+                     batch_size=8, micro_batch=4, max_steps=8, learning_rate=2e-5)
     elif profile == "paper":
-        # One GPU with internet: Qwen2.5-7B policy via Unsloth; workers served by vLLM (edit base_url/models to your server).
-        cfg = TrainConfig(profile="paper", policy=PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="auto"),
-                          workers={c: {"backend": "openai", "base_url": "http://127.0.0.1:8000/v1", "model": m}
-                                   for c, m in (("small", "Qwen/Qwen2.5-7B-Instruct"), ("medium", "Qwen/Qwen2.5-14B-Instruct"),
-                                                ("large", "Qwen/Qwen2.5-32B-Instruct"))},
-                          benchmarks=("gsm8k", "multiarith", "svamp", "aqua", "mmlu", "humaneval"), train_questions=6000,
-                          num_generations=4, batch_size=16, max_steps=1500, max_agents=8,
-                          worker_max_tokens={"small": 1024, "medium": 1024, "large": 1024}, save_steps=50)
+        # One GPU with internet: Qwen2.5-7B policy via Unsloth; one vLLM server per capacity (scripts/vllm_workers.sh;
+        # edit the base_urls to your servers). Paper: G=4, ~1500 steps.
+        cfg = _sized("paper", 8, {"small": 1024, "medium": 1024, "large": 1024},
+                     policy=PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="auto"),
+                     workers={c: {"backend": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": m}
+                              for c, port, m in (("small", 8001, "Qwen/Qwen2.5-7B-Instruct"),
+                                                 ("medium", 8002, "Qwen/Qwen2.5-14B-Instruct"),
+                                                 ("large", 8003, "Qwen/Qwen2.5-32B-Instruct"))},
+                     benchmarks=("gsm8k", "multiarith", "svamp", "aqua", "mmlu", "humaneval"), train_questions=6000,
+                     num_generations=4, batch_size=16, max_steps=1500, save_steps=50, rollout_concurrency=64)
     else:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
     return replace(cfg, **overrides)

@@ -5,21 +5,36 @@ Three families, each changing exactly ONE field value of one agent:
   m_R "role":     roll one agent's customized duty back to its base role's default duty (from the prompts file);
   m_L "capacity": lower one agent's capacity one level (large -> medium -> small).
 An edit is made on the TEXT the model wrote (only the edited value's characters change), so every other agent is byte-identical
-and the node cache reuses it; the edited text is re-parsed to prove it is a valid spec. Each Edit carries the character span of
-the edited value in the ORIGINAL text: the counterfactual loss puts the reward contrast on exactly those tokens.
+and the node cache reuses it. The rewrite never depends on the YAML style the model chose: a duty becomes one double-quoted
+scalar (valid wherever a block, folded, plain or quoted scalar stood), a capacity keeps its quoting, and a dependency list is
+rewritten from just after its key's `:` as a flow list (valid after a block, indentless-block or flow list alike, and inside a
+flow mapping / JSON). The edited text is re-parsed AND compared with the expected spec (the original with exactly that one
+change); an edit that fails either check raises EditError, so a caller never trains on a wrong counterfactual.
+Each Edit carries the character span of the edited value in the ORIGINAL text: the counterfactual loss puts the reward
+contrast on exactly those tokens (lemon.train.spanmap maps it onto the sampled ids).
 A site whose edit would change nothing is never eligible: duty already the default, capacity already small, and any agent that
 cannot reach `final` (it is not executed, so editing it is a no-op).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import re
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import yaml
 
 from lemon.prompts import CAPACITIES, Prompts
-from lemon.spec import Span, Spec, parse_spec
+from lemon.spec import Span, Spec, SpecError, extract_yaml, parse_spec
 
 FAMILIES = ("edge", "role", "capacity")  # m_E, m_R, m_L
+
+
+class EditError(ValueError):
+    """An edit that cannot be applied: the site is not eligible, the spec carries no text, or the rewritten text is not the
+    original spec with exactly the family's one change. The trainer counts these (cf/edit_errors) and skips the CF term."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +48,8 @@ class Edit:
 
 
 def eligible_sites(spec: Spec, family: str, prompts: Prompts) -> list[tuple[str, ...]]:
-    """Sites where `family` changes what is executed."""
+    """Sites where `family` changes what is executed. ValueError for an unknown family; EditError when a base role of the
+    spec has no default duty in `prompts` (m_R has nothing to roll back to)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown edit family {family!r}; valid: {', '.join(FAMILIES)}")
     dead = set(spec.unreachable())
@@ -41,46 +57,127 @@ def eligible_sites(spec: Spec, family: str, prompts: Prompts) -> list[tuple[str,
     if family == "edge":
         return [(a.id, d) for a in live for d in a.depends_on]
     if family == "role":
-        return [(a.id,) for a in live if a.duty != prompts.default_duty(a.base_role)]
+        defaults = prompts.roles_for(None)
+        missing = sorted({a.base_role for a in live} - set(defaults))
+        if missing:  # parsed with a base-role list other than this prompts file's
+            raise EditError(f"base roles {missing} have no default duty in the prompts file {prompts.path or '(packaged)'}; "
+                            "parse the spec with base_roles=prompts.roles_for(domain)")
+        return [(a.id,) for a in live if a.duty != defaults[a.base_role]]
     return [(a.id,) for a in live if a.capacity != CAPACITIES[0]]
 
 
-def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts) -> Edit:
-    """Apply one edit to a parsed spec (which must carry its text and spans)."""
-    if spec.text is None or spec.spans is None:
-        raise ValueError("apply_edit needs a spec parsed from text (it edits the text and reports spans in it)")
-    if site not in eligible_sites(spec, family, prompts):
-        raise ValueError(f"site {site} is not eligible for {family!r} in this spec")
+# YAML reads these inside a double-quoted scalar as line breaks (folded) or refuses them outright, and JSON leaves them raw
+_YAML_UNSAFE = re.compile("[^\x09\x0A\x0D\x20-\x7E\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]|[\x85\u2028\u2029\uFEFF]")
+
+
+def double_quoted(s: str) -> str:
+    """A YAML double-quoted scalar that reads back as exactly `s`, on one line, in any block or flow context."""
+    q = json.dumps(s, ensure_ascii=False)
+    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}" if ord(m.group()) < 0x10000 else f"\\U{ord(m.group()):08x}", q)
+
+
+# the key written plainly or quoted, then its `:`; anchored at the end of the text before the value (same-line value) or at the
+# start of the key's line (value on later lines, after blank or comment lines)
+_KEY_END = re.compile(r"""(?:depends_on|"depends_on"|'depends_on')[ \t]*:[ \t]*\Z""")
+_KEY_LINE = re.compile(r"""[ \t]*(?:-[ \t]+)*(?:depends_on|"depends_on"|'depends_on')[ \t]*(:)[ \t]*(?:#.*)?\Z""")
+
+
+def _key_colon(text: str, value_start: int, agent_index: int) -> int:
+    """Index in `text` of the `:` after agent `agent_index`'s `depends_on` key, whose value starts at `value_start`.
+    Between a key's `:` and its value YAML allows only blanks, line breaks and comments, so a backward look over those
+    finds it; anything unusual (an explicit `?` key, ...) is read off PyYAML's node tree instead (the key's end mark)."""
+    line_start = text.rfind("\n", 0, value_start) + 1
+    m = _KEY_END.search(text, line_start, value_start)
+    if m:
+        return text.index(":", m.start())
+    end = line_start - 1 if not text[line_start:value_start].strip() else 0
+    while end > 0:  # the value starts a line: walk back over blank and comment-only lines to the key's line
+        start = text.rfind("\n", 0, end) + 1
+        line = text[start:end].rstrip("\r")
+        if line.strip() and not line.lstrip().startswith("#"):
+            m = _KEY_LINE.match(line)
+            if m:
+                return start + m.start(1)
+            break
+        end = start - 1
+    try:
+        body, off = extract_yaml(text)
+        root = yaml.compose(body, Loader=yaml.SafeLoader)
+        agents = next(v for k, v in root.value if k.value == "agents")
+        key = next(k for k, _ in agents.value[agent_index].value if k.value == "depends_on")
+    except (yaml.YAMLError, StopIteration, AttributeError, IndexError, ValueError) as e:
+        raise EditError(f"agents[{agent_index}]: cannot locate the depends_on key ({type(e).__name__}: {e})") from None
+    i = key.end_mark.index
+    while i < len(body) and body[i] in " \t\r\n#":  # blanks and comments may sit between an explicit `?` key and its `:`
+        i = body.find("\n", i) if body[i] == "#" else i + 1
+        i = len(body) if i < 0 else i
+    if i >= len(body) or body[i] != ":":
+        raise EditError(f"agents[{agent_index}]: no ':' after the depends_on key")
+    return off + i
+
+
+def _rewrite(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts) -> tuple[Span, Span, str, object]:
+    """(span of the edited value, replaced region, replacement text, expected edited agent)."""
     i = spec.index(site[0])
-    a, sp = spec.agents[i], spec.spans[i]
+    a, sp, t = spec.agents[i], spec.spans[i], spec.text
     if family == "role":
-        span, new = sp.duty, json.dumps(prompts.default_duty(a.base_role), ensure_ascii=False)
-        replace_span = span
-    elif family == "capacity":
-        span, new = sp.capacity, CAPACITIES[CAPACITIES.index(a.capacity) - 1]
-        replace_span = span
-    else:
-        j = a.depends_on.index(site[1])
-        span = sp.deps[j]  # the contrast lands on the dropped parent's id token(s)
-        rest = [d for d in a.depends_on if d != site[1]]
-        new = "[" + ", ".join(json.dumps(d) for d in rest) + "]"
-        replace_span = sp.depends_on  # rewrite the whole list (block or flow) as a flow list
-    t = spec.text
-    text = t[:replace_span[0]] + new + t[replace_span[1]:]
-    edited = parse_spec(text, base_roles=prompts.roles_for(None), max_agents=max(len(spec.agents), 1))
-    return Edit(family, site, span, replace_span, text, edited)
+        new = prompts.default_duty(a.base_role)
+        return sp.duty, sp.duty, double_quoted(new), dataclasses.replace(a, duty=new)
+    if family == "capacity":
+        new = CAPACITIES[CAPACITIES.index(a.capacity) - 1]
+        q = t[sp.capacity[0]]
+        written = f"{q}{new}{q}" if q in "\"'" else new  # keep the quoting: either form is valid where the old one was
+        return sp.capacity, sp.capacity, written, dataclasses.replace(a, capacity=new)
+    j = a.depends_on.index(site[1])
+    rest = tuple(d for d in a.depends_on if d != site[1])
+    colon = _key_colon(t, sp.depends_on[0], i)
+    # ` [..]` right after the colon is valid after every list style the parser accepts; the old list is dropped whole
+    written = " [" + ", ".join(double_quoted(d) for d in rest) + "]"
+    return sp.deps[j], (colon + 1, sp.depends_on[1]), written, dataclasses.replace(a, depends_on=rest)
 
 
-def sample_edit(spec: Spec, prompts: Prompts, rng: random.Random, family_probs: dict[str, float] | None = None) -> Edit | None:
-    """Choose a family (from `family_probs`, renormalised over families that have an eligible site), then a site uniformly.
-    None when the spec has no eligible site in any family (that rollout gets no counterfactual term)."""
-    sites = {f: eligible_sites(spec, f, prompts) for f in FAMILIES}
-    fams = [f for f in FAMILIES if sites[f]]
-    if not fams:
+def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts) -> Edit:
+    """Apply one edit to a parsed spec (which must carry its text and spans). Raises EditError (a ValueError) when the edit
+    cannot be applied; the returned Edit's spec is proven to equal the original with exactly the family's one change."""
+    if spec.text is None or spec.spans is None:
+        raise EditError("apply_edit needs a spec parsed from text (it edits the text and reports spans in it)")
+    if site not in eligible_sites(spec, family, prompts):
+        raise EditError(f"site {site} is not eligible for {family!r} in this spec")
+    span, (r0, r1), written, want = _rewrite(spec, family, site, prompts)
+    text = spec.text[:r0] + written + spec.text[r1:]
+    where = f"{family} edit at {'>'.join(site)}"
+    try:
+        edited = parse_spec(text, base_roles=prompts.roles_for(None), max_agents=max(len(spec.agents), 1))
+    except SpecError as e:
+        raise EditError(f"{where} gave an invalid spec: {e}. Report the spec text; the edit must keep any parsed spec valid") \
+            from None
+    i = spec.index(site[0])
+    expected = spec.agents[:i] + (want,) + spec.agents[i + 1:]
+    if edited.agents != expected or edited.final != spec.final:
+        raise EditError(f"{where} changed more than the edited field (re-parsed spec differs elsewhere). Report the spec text")
+    return Edit(family, site, span, (r0, r1), text, edited)
+
+
+def sample_edit(spec: Spec, prompts: Prompts, rng: random.Random, family_probs: Mapping[str, float] | None = None,
+                families: Sequence[str] = FAMILIES) -> Edit | None:
+    """Choose a family among `families` (the allowed ones) that have an eligible site, with weights `family_probs`
+    (missing families weigh 0; all-zero weights: uniform over those allowed families), then a site uniformly.
+    Returns None when no allowed family has an eligible site (that rollout gets no counterfactual term).
+    Never returns an edit of a family outside `families`. Raises EditError when the chosen edit cannot be applied (and
+    ValueError for bad arguments); nothing else."""
+    fams = tuple(families)
+    bad = [f for f in fams if f not in FAMILIES]
+    if not fams or bad:
+        raise ValueError(f"families must be a non-empty subset of {FAMILIES}; got {fams}")
+    sites = {f: eligible_sites(spec, f, prompts) for f in fams}
+    cands = [f for f in fams if sites[f]]
+    if not cands:
         return None
-    probs = family_probs or {f: 1.0 for f in FAMILIES}
-    weights = [probs[f] for f in fams]
-    f = rng.choices(fams, weights=weights)[0] if sum(weights) > 0 else rng.choice(fams)
+    probs = family_probs if family_probs is not None else {f: 1.0 for f in fams}
+    weights = [float(probs.get(f, 0.0)) for f in cands]
+    if any(not w >= 0 for w in weights):  # also catches NaN
+        raise ValueError(f"family weights must be >= 0, got {dict(zip(cands, weights))}")
+    f = rng.choices(cands, weights=weights)[0] if sum(weights) > 0 else rng.choice(cands)
     return apply_edit(spec, f, rng.choice(sites[f]), prompts)
 
 

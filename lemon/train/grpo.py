@@ -1,224 +1,207 @@
-"""Counterfactual GRPO (paper §3.3): a trl.GRPOTrainer whose rollouts are specs executed by the worker pool, plus one
-counterfactual edit per valid rollout whose reward contrast lands only on the edited span's tokens.
+"""Counterfactual GRPO (paper §3.3) on TRL's GRPOTrainer: rollouts are specs sampled by the policy (grammar-constrained by
+default), executed by the worker pool, and — when cf_lambda > 0 — edited once each, re-executed through the node cache, with the
+reward contrast put on the edited span's tokens only.
 
-Flow of one step: TRL samples G specs per question and calls our reward functions. `SpecRewarder` parses and executes each
-spec once (node cache on), returns the reward terms (success, token efficiency, graph cost, invalid penalty; TRL logs each and
-sums them with `reward_weights`), and, when cf_lambda > 0, samples one edit per valid spec (family from the adaptive sampler,
-site uniform), re-executes the edited spec through the same cache, and stores delta = r(y) - r(y') with the sampled-token
-positions of the edited value. `CFGRPOTrainer._generate_and_score_completions` then turns TRL's (B,) advantages into (B, T)
-ones with lemon.train.cf.cf_advantages. Putting the term in the advantages (not a loss override) keeps it valid under Unsloth,
-which replaces compute_loss on CUDA. With cf_lambda = 0 nothing is edited and the advantages are TRL's own: plain GRPO.
+One step, in the order it runs:
+1. TRL hands `SpecRollouts` (its `rollout_func`) the step's prompts: Q questions, each repeated G times in a row.
+2. `SpecRollouts` samples G specs per question (lemon.train.rollout.sample_specs), scores them (lemon.train.scoring:
+   parse, execute, reward), and resamples up to `resample` times every group whose rewards have no spread (DAPO-style dynamic
+   sampling: such a group has no global GRPO gradient). Then it adds one counterfactual per valid rollout and writes every
+   rollout to rollouts.jsonl.
+3. TRL calls our reward functions (they read the scored records by `rollout_index`; an errored execution returns None, which
+   TRL treats as unscorable), then `_generate_and_score_completions` below REPLACES TRL's advantages with ours
+   (lemon.train.cf.step_advantages: one scale for the global and the counterfactual term; errored rollouts masked out of the
+   loss) and TRL's loss does the rest.
+Putting the counterfactual term in (B, T) advantages rather than in a loss override keeps it valid under Unsloth, which
+replaces compute_loss on CUDA. cf_lambda = 0 gives plain GRPO with the same sampling, scoring and scaling.
+
+The trainer class is BUILT (trainer_class) rather than defined at import: Unsloth swaps trl.GRPOTrainer for its patched class
+when unsloth is imported, so on CUDA we must import unsloth first and subclass what trl exports then.
 """
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
-from trl import GRPOTrainer
 
-from lemon.train.cf import cf_advantages, span_token_mask, token_char_offsets
-from lemon.train.edits import FAMILIES, FamilySampler, sample_edit
-from lemon.run.executor import ExecutorCaps, NodeCache, execute
-from lemon.train.rewards import RewardConfig, compute_reward
-from lemon.spec import SpecError, parse_spec
+from lemon.train.cf import step_advantages
+from lemon.train.edits import FAMILIES
 
 CF_STATE = "cf_state.json"
+MIN_TRL = (0, 26)  # TRL <= 0.25 unsqueezes advantages unconditionally: (B, T) would broadcast silently to (B, B, T)
 
 
-@dataclass
-class Rollout:
-    """What became of one sampled completion."""
-
-    text: str
-    valid: bool
-    error: str | None
-    reward: object  # RewardBreakdown
-    agents: int = 0
-    edges: int = 0
-    tokens_spent: int = 0
-    family: str | None = None
-    delta: float = 0.0
-    cf_tokens_spent: int = 0
-    cf_tokens_nominal: int = 0
-    span_positions: tuple[int, ...] = ()
+def check_trl(version: str | None = None) -> None:
+    """Refuse a TRL whose loss would silently mis-broadcast (B, T) advantages."""
+    import trl
+    v = version or trl.__version__
+    parts = tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+    if parts < MIN_TRL:
+        raise ImportError(f"trl {v} is too old for CF-GRPO: versions before {'.'.join(map(str, MIN_TRL))} unsqueeze (B, T) "
+                          "advantages into (B, B, T) without an error; install the pinned trl (requirements.txt)")
 
 
-def _text(completion) -> str:
-    # conversational datasets give [{"role": "assistant", "content": ...}]; plain ones give a string
-    return completion[0]["content"] if isinstance(completion, list) else completion
+class CFGRPOMixin:
+    """Overrides of TRL's GRPOTrainer (mixed into whichever GRPOTrainer class trl exports: TRL's own or Unsloth's)."""
 
+    def __init__(self, *args, rollouts: "SpecRollouts", **kw):
+        super().__init__(*args, rollout_func=rollouts, **kw)
+        self.rollouts = rollouts
 
-class SpecRewarder:
-    """Executes specs for TRL's reward functions and computes the counterfactual contrasts. Models, pool, prompts and
-    cache are passed in explicitly; `batch` holds the records of the latest call for the trainer to pick up."""
-
-    def __init__(self, pool, prompts, examples: dict, benchmarks: dict, tokenizer, *, reward: RewardConfig,
-                 caps: ExecutorCaps, cache: NodeCache, sampler: FamilySampler, cf_lambda: float,
-                 families=FAMILIES, max_agents: int = 8, seed: int = 0):
-        self.pool, self.prompts, self.examples, self.benchmarks, self.tok = pool, prompts, examples, benchmarks, tokenizer
-        self.reward_cfg, self.caps, self.cache, self.sampler = reward, caps, cache, sampler
-        self.cf_lambda, self.families, self.max_agents = cf_lambda, tuple(families), max_agents
-        self.rng = random.Random(seed)
-        self.seed = seed
-        self.batch: list[Rollout] = []
-        self._key = None
-
-    # TRL calls each reward function in turn with the same batch; the first call does the work, the others read it.
-    def _ensure(self, completions, example_id, completion_ids, trainer_state=None) -> list[Rollout]:
-        step = getattr(trainer_state, "global_step", None)  # identical completions in a later step are a new batch
-        key = (step, tuple(_text(c) for c in completions), tuple(example_id))
-        if key != self._key:
-            self.batch = [self._one(_text(c), eid, ids) for c, eid, ids in zip(completions, example_id, completion_ids)]
-            self._key = key
-        return self.batch
-
-    def _one(self, text: str, example_id: str, ids) -> Rollout:
-        ex = self.examples[example_id]
-        bench = self.benchmarks[ex.benchmark]
-        try:
-            spec = parse_spec(text, base_roles=self.prompts.roles_for(bench.domain), max_agents=self.max_agents)
-        except SpecError as e:
-            return Rollout(text, False, e.code, compute_reward(None, 0.0, 0, self.reward_cfg))
-        tr = execute(spec, ex, bench, self.pool, prompts=self.prompts, cache=self.cache, caps=self.caps, seed=self.seed)
-        r = compute_reward(spec, tr.score, tr.nominal_tokens, self.reward_cfg)
-        out = Rollout(text, True, tr.error, r, len(spec.agents), len(spec.edges()), tr.tokens)
-        if self.cf_lambda == 0:
-            return out
-        probs = {f: (p if f in self.families else 0.0) for f, p in self.sampler.probs().items()}
-        edit = sample_edit(spec, self.prompts, self.rng, probs)
-        if edit is None or edit.family not in self.families:
-            return out  # no eligible site: this rollout gets no counterfactual term
-        tr2 = execute(edit.spec, ex, bench, self.pool, prompts=self.prompts, cache=self.cache, caps=self.caps, seed=self.seed)
-        r2 = compute_reward(edit.spec, tr2.score, tr2.nominal_tokens, self.reward_cfg)
-        out.family, out.delta = edit.family, r.total - r2.total
-        out.cf_tokens_spent, out.cf_tokens_nominal = tr2.tokens, tr2.nominal_tokens
-        self.sampler.update(edit.family, out.delta)
-        # map the edited value's characters onto the SAMPLED token ids (decoded exactly as TRL decoded them)
-        ids = list(ids)
-        decode = lambda x: self.tok.decode(x, skip_special_tokens=True)  # noqa: E731  (exactly as TRL decodes)
-        shift = len(text) - len(decode(ids))  # TRL may prepend an assistant "bootstrap" prefix to the decoded ids
-        if shift < 0 or not text.endswith(decode(ids)):
-            out.span_positions = ()  # ids and text disagree: no safe mapping, so no CF term rather than a wrong one
-            return out
-        offsets = token_char_offsets(ids, decode)
-        span = (edit.span[0] - shift, edit.span[1] - shift)
-        out.span_positions = tuple(i for i, m in enumerate(span_token_mask(offsets, [span])) if m)
-        return out
-
-    # ---- the four reward functions (their names become TRL's log keys) ---------------------------------------------
-    def functions(self):
-        def success(completions, example_id, completion_ids, trainer_state=None, **kw):
-            return [r.reward.success for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
-
-        def token_efficiency(completions, example_id, completion_ids, trainer_state=None, **kw):
-            return [r.reward.token_efficiency for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
-
-        def graph_cost(completions, example_id, completion_ids, trainer_state=None, **kw):
-            return [r.reward.graph_cost for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
-
-        def invalid(completions, example_id, completion_ids, trainer_state=None, **kw):
-            return [0.0 if r.valid else r.reward.total for r in self._ensure(completions, example_id, completion_ids, trainer_state)]
-
-        c = self.reward_cfg
-        return [success, token_efficiency, graph_cost, invalid], [c.w_success, c.w_tokens, -c.w_graph, 1.0]
-
-
-class CFGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer + the localized counterfactual advantage."""
-
-    def __init__(self, *args, rewarder: SpecRewarder, **kw):
-        super().__init__(*args, **kw)
-        self.rewarder = rewarder
+    def _get_train_sampler(self, dataset=None):
+        if self.rollouts.curriculum_ids is None:
+            return super()._get_train_sampler(dataset)
+        from lemon.train.episodes import CurriculumSampler
+        return CurriculumSampler(self.rollouts.curriculum_ids, self.rollouts.labels,
+                                 questions=self.args.generation_batch_size // self.num_generations,
+                                 generations=self.num_generations,
+                                 repeat=self.num_iterations * self.args.steps_per_generation, seed=self.args.seed)
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        recs = self.rewarder.batch
-        adv, cmask = out["advantages"], out["completion_mask"]  # (B,), (B, T)
-        if len(recs) != adv.shape[0]:
-            raise RuntimeError(f"rewarder holds {len(recs)} rollouts for a batch of {adv.shape[0]}; "
-                               "CF-GRPO supports a single process with one generation batch per step")
+        recs = self.rollouts.batch
+        cmask = out["completion_mask"]  # (B, T)
+        if len(recs) != cmask.shape[0]:
+            raise RuntimeError(f"rollouts hold {len(recs)} records for a batch of {cmask.shape[0]}; CF-GRPO supports one "
+                               "process (no multi-GPU data parallelism)")
         span = torch.zeros_like(cmask)  # (B, T)
         for i, r in enumerate(recs):
-            for t in r.span_positions:
-                if t < span.shape[1]:
-                    span[i, t] = 1
-        delta = torch.tensor([r.delta for r in recs], dtype=adv.dtype, device=adv.device)  # (B,)
-        if self.rewarder.cf_lambda > 0:
-            out["advantages"] = cf_advantages(adv, cmask, span, delta, self.rewarder.cf_lambda)  # (B, T)
-        self._log_rollouts(recs)
+            span[i, [t for t in r.span_positions if t < span.shape[1]]] = 1
+        adv, keep, scale = step_advantages([r.total for r in recs], [r.group for r in recs],
+                                           [r.delta or 0.0 for r in recs], cmask, span, lam=self.rollouts.cf_lambda,
+                                           scale=self.rollouts.scale_rewards, std_floor=self.rollouts.std_floor)
+        out["advantages"] = adv.to(out["advantages"].dtype)  # (B, T)
+        out["completion_mask"] = cmask * keep[:, None].to(cmask.dtype)  # errored rollouts leave the loss entirely
+        out["num_items_in_batch"] = out["completion_mask"].sum()
+        self._log_rollouts(recs, scale)
         return out
 
-    def _log_rollouts(self, recs):
+    def _log_rollouts(self, recs, scale: float):
         m = self._metrics["train"]
-        valid = [r for r in recs if r.valid]
-        m["spec/valid_rate"].append(len(valid) / max(1, len(recs)))
+        valid = [r for r in recs if r.valid and not r.errored]
+        n = max(1, len(recs))
+        m["spec/valid_rate"].append(sum(r.valid for r in recs) / n)
         m["spec/agents"].append(sum(r.agents for r in valid) / max(1, len(valid)))
         m["spec/edges"].append(sum(r.edges for r in valid) / max(1, len(valid)))
+        m["spec/distinct"].append(len({r.text for r in recs}) / n)
+        m["rollouts/success"].append(sum(r.reward.success for r in valid) / max(1, len(valid)))
+        m["rollouts/errored"].append(sum(r.errored for r in recs))
         m["tokens/worker_nominal"].append(sum(r.reward.worker_tokens for r in valid) / max(1, len(valid)))
         m["tokens/worker_spent"].append(sum(r.tokens_spent for r in recs))
         m["tokens/cf_spent"].append(sum(r.cf_tokens_spent for r in recs))
         m["tokens/cf_nominal"].append(sum(r.cf_tokens_nominal for r in recs))
+        m["adv/scale"].append(scale)
+        st = self.rollouts.last_stats
+        for k in ("groups", "zero_spread_groups", "resampled_groups", "resample_attempts", "sample_s", "score_s", "cf_s"):
+            m[f"step/{k}"].append(st.get(k, 0))
+        status = Counter(r.cf_status for r in recs)
         m["cf/edits"].append(sum(1 for r in recs if r.family))
-        # rollouts whose CF term reaches the loss: an edit with delta != 0 and a mapped span (lambda > 0)
-        m["cf/active"].append(sum(1 for r in recs if r.family and r.delta and r.span_positions) * (self.rewarder.cf_lambda > 0))
+        m["cf/active"].append(sum(1 for r in recs if r.cf_status == "ok" and r.delta) * (self.rollouts.cf_lambda > 0))
+        m["cf/edit_errors"].append(status.get("edit_error", 0))
+        m["cf/errored"].append(status.get("cf_errored", 0))
+        m["cf/dropped"].append(sum(k for s, k in status.items() if s.startswith("span_dropped")))
+        m["cf/no_site"].append(status.get("no_site", 0))
         for code, k in Counter(r.error for r in recs if not r.valid).items():  # why rollouts were invalid
-            m[f"spec/invalid_{code}"].append(k / len(recs))
+            m[f"spec/invalid_{code}"].append(k / n)
         per = defaultdict(list)
         for r in recs:
-            if r.family:
+            if r.cf_status == "ok":
                 per[r.family].append(r.delta)
+        probs = self.rollouts.scorer.sampler.probs()
         for f in FAMILIES:
-            m[f"cf/prob_{f}"].append(self.rewarder.sampler.probs()[f])
+            m[f"cf/prob_{f}"].append(probs[f])
             if per[f]:
                 m[f"cf/delta_{f}"].append(sum(per[f]) / len(per[f]))
-        stats = self.rewarder.cache.stats()  # cumulative counters -> this step's hits and misses
+                m[f"cf/absdelta_{f}"].append(sum(abs(d) for d in per[f]) / len(per[f]))
+        stats = self.rollouts.scorer.cache.stats()  # cumulative counters -> this step's hits and misses
         prev = getattr(self, "_cache_prev", {"hits": 0, "misses": 0})
-        m["cache/hits"].append(stats.get("hits", 0) - prev["hits"])
-        m["cache/misses"].append(stats.get("misses", 0) - prev["misses"])
-        self._cache_prev = {"hits": stats.get("hits", 0), "misses": stats.get("misses", 0)}
+        hits, misses = stats["hits"] - prev["hits"], stats["misses"] - prev["misses"]
+        m["cache/hits"].append(hits)
+        m["cache/misses"].append(misses)
+        m["cache/hit_rate"].append(hits / (hits + misses) if hits + misses else 0.0)
+        m["cache/entries"].append(stats["entries"])
+        self._cache_prev = stats
+
+
+def trainer_class(backend: str = "transformers") -> type:
+    """The CF-GRPO trainer class for a policy backend. 'unsloth': import unsloth FIRST (it patches trl), then subclass the
+    GRPOTrainer trl exports afterwards — exactly what `lemon train` builds on CUDA and what tests/test_gpu.py tests."""
+    if backend == "unsloth":
+        import unsloth  # noqa: F401  (side effect: trl.GRPOTrainer becomes Unsloth's patched class)
+    import trl
+    check_trl()
+    base = trl.GRPOTrainer
+    if backend == "unsloth" and "unsloth" not in (base.__module__ + base.__name__).lower():
+        raise RuntimeError(f"unsloth is imported but trl.GRPOTrainer is {base.__module__}.{base.__name__}, not Unsloth's "
+                           "patched class: this unsloth/trl pair does not patch GRPO (see requirements-gpu.txt pins)")
+    return type("CFGRPOTrainer", (CFGRPOMixin, base), {"__doc__": CFGRPOMixin.__doc__})
+
+
+def reward_functions(rollouts: "SpecRollouts"):
+    """The four reward functions TRL logs (their names become TRL's log keys) and their weights. Each reads the scored
+    record by the `rollout_index` column our rollout_func returns; None (unscorable) for errored executions."""
+    c = rollouts.scorer.reward_cfg
+
+    def get(rollout_index, attr):
+        recs = [rollouts.batch[i] for i in rollout_index]
+        return [None if r.errored else attr(r) for r in recs]
+
+    gate = (lambda r: r.reward.success) if c.form == "gated" else (lambda r: 1.0)  # the gated form scales costs by success
+
+    def success(completions, rollout_index, **kw):
+        return get(rollout_index, lambda r: r.reward.success if r.valid else 0.0)
+
+    def token_efficiency(completions, rollout_index, **kw):
+        return get(rollout_index, lambda r: r.reward.token_efficiency * gate(r) if r.valid else 0.0)
+
+    def graph_cost(completions, rollout_index, **kw):
+        return get(rollout_index, lambda r: r.reward.graph_cost * gate(r) if r.valid else 0.0)
+
+    def invalid(completions, rollout_index, **kw):
+        return get(rollout_index, lambda r: 0.0 if r.valid else r.total)
+
+    return [success, token_efficiency, graph_cost, invalid], [c.w_success, c.w_tokens, -c.w_graph, 1.0]
 
 
 class CFStateCallback(TrainerCallback):
-    """Saves the family sampler (and the edit RNG) with every checkpoint; the step clock and JSONL metrics too."""
+    """Saves the family sampler (and the curriculum's labels) with every checkpoint; the step clock and JSONL metrics too."""
 
-    def __init__(self, rewarder: SpecRewarder, metrics_path: Path, verbose: bool = False):
-        self.rewarder, self.metrics_path, self._t, self.verbose = rewarder, Path(metrics_path), None, verbose
+    def __init__(self, rollouts: "SpecRollouts", metrics_path: Path, verbose: bool = False):
+        self.rollouts, self.metrics_path, self._t, self.verbose = rollouts, Path(metrics_path), None, verbose
 
     def on_step_begin(self, args, state, control, **kw):
         self._t = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kw):
-        if logs is not None:
-            if self._t is not None:
-                logs["time/step_s"] = time.perf_counter() - self._t
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
-            if self.verbose and "reward" in logs:  # one line per step: the headless console's progress (lemon.progress)
-                g = lambda k: logs.get(k, float("nan"))  # noqa: E731
-                print(f"[cf-grpo] step {state.global_step}/{state.max_steps}  reward {g('reward'):+.3f}  "
-                      f"valid {g('spec/valid_rate'):.2f}  cf edits {g('cf/edits'):.0f}  worker tok {g('tokens/worker_spent'):.0f}"
-                      f" (+cf {g('tokens/cf_spent'):.0f})  {g('time/step_s'):.0f} s", file=sys.stderr, flush=True)
+        if logs is None:
+            return
+        if self._t is not None:
+            logs["time/step_s"] = time.perf_counter() - self._t
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+        if self.verbose and "reward" in logs:  # one line per step: the headless console's progress (lemon.progress)
+            g = lambda k: logs.get(k, float("nan"))  # noqa: E731
+            print(f"[cf-grpo] step {state.global_step}/{state.max_steps}  reward {g('reward'):+.3f}  "
+                  f"success {g('rollouts/success'):.2f}  valid {g('spec/valid_rate'):.2f}  zero-spread "
+                  f"{g('step/zero_spread_groups'):.0f}/{g('step/groups'):.0f}  cf active {g('cf/active'):.0f}  "
+                  f"worker tok {g('tokens/worker_spent'):.0f} (+cf {g('tokens/cf_spent'):.0f})  {g('time/step_s'):.0f} s",
+                  file=sys.stderr, flush=True)
 
     def on_save(self, args, state, control, **kw):
         d = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         d.mkdir(parents=True, exist_ok=True)
-        (d / CF_STATE).write_text(json.dumps({"sampler": self.rewarder.sampler.state_dict(),
-                                              "rng": self.rewarder.rng.getstate()}, default=list))
+        (d / CF_STATE).write_text(json.dumps(self.rollouts.state_dict()))
 
 
-def load_cf_state(rewarder: SpecRewarder, checkpoint: Path) -> bool:
+def load_cf_state(rollouts: "SpecRollouts", checkpoint: Path) -> bool:
     p = Path(checkpoint) / CF_STATE
     if not p.exists():
         return False
-    st = json.loads(p.read_text())
-    rewarder.sampler = FamilySampler.from_state(st["sampler"])
-    v, internal, g = st["rng"]
-    rewarder.rng.setstate((v, tuple(internal), g))
+    rollouts.load_state_dict(json.loads(p.read_text()))
     return True
+

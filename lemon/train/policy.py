@@ -2,8 +2,12 @@
 
 transformers reads the shipped GGUF files (qwen2 / llama) and dequantizes them, but that takes tens of seconds and the result
 refuses `save_pretrained` while its GGUF quantizer is attached. So the first load converts once to a plain fp32 transformers
-folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s). fp32 on CPU: bf16
-on this CPU was unusably slow (a LoRA step did not finish in 600 s, DESIGN.md).
+folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s). Weights stay fp32
+on CPU; the trainer runs the loss under bf16 autocast where the CPU supports it and sampling picks its dtype by measurement
+(lemon.train.dtype, lemon.train.rollout).
+
+On CUDA with Unsloth, an SFT adapter is loaded INTO the Unsloth peft model (load_adapter_weights): Unsloth builds its own
+LoRA modules, so a warm start must be copied into them and checked key by key, never dropped silently.
 """
 from __future__ import annotations
 
@@ -78,6 +82,27 @@ def converted_dir(name: str) -> Path:
     return out
 
 
+def load_adapter_weights(model, adapter: str | Path) -> int:
+    """Copy a saved peft adapter (adapter_model.safetensors) into `model`, a peft model with the same LoRA layout.
+    Raises ValueError when a saved tensor has no matching LoRA parameter or a shape differs (a warm start that would be
+    half-applied); returns the number of tensors loaded."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    f = Path(adapter) / "adapter_model.safetensors"
+    if not f.exists():
+        raise FileNotFoundError(f"{f} is missing: {adapter} is not a saved peft adapter")
+    state = load_file(str(f))
+    res = set_peft_model_state_dict(model, state)
+    unexpected = list(getattr(res, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(f"adapter {adapter}: {len(unexpected)} tensors match no LoRA parameter of the model "
+                         f"(e.g. {unexpected[:3]}); rank / target modules differ from the policy config")
+    lora = {k for k in model.state_dict() if "lora_" in k}
+    if not lora:
+        raise ValueError("the model has no LoRA parameters to load an adapter into")
+    return len(state)
+
+
 def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | None = None):
     """(model, tokenizer). With lora=True the model is a peft model with fresh adapters (or `adapter` loaded, trainable)."""
     backend = resolve_backend(cfg)
@@ -85,9 +110,11 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
     if backend == "unsloth":
         from unsloth import FastLanguageModel
         model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit)
-        if lora:
+        if lora or adapter is not None:
             model = FastLanguageModel.get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                                      lora_dropout=cfg.lora_dropout, target_modules=list(cfg.target_modules))
+            if adapter is not None:
+                load_adapter_weights(model, adapter)  # the warm start, into Unsloth's own LoRA modules
         return model, tok
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

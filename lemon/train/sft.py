@@ -4,7 +4,9 @@ Candidates per training question come from (a) the prompted orchestrator (a work
 constrained where the backend allows) and (b) mutated baseline specs (random topology, capacities and task-flavoured duties
 from the prompts file's `duty_variants`). With `filter_by_execution`, every candidate is executed and only specs that solved
 their question are kept, the cheapest (fewest nominal worker tokens) first; without it (smoke runs) the corpus only teaches the
-format. Targets are always the canonical YAML of the spec, so the policy learns one stable format.
+format. Targets are always canonical(spec).to_yaml() (lemon.spec.schema.canonical): the exact language of the spec grammar
+the trainer samples under (ids a1..an, quoted role and duty, final = the last agent), so the warm-started policy's format and
+the constrained rollouts agree.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from lemon.run.executor import ExecutorCaps, NodeCache, execute
 from lemon.eval.orchestrator import OrchestratorConfig, orchestrator_messages, propose_spec
 from lemon.progress import text_mode
 from lemon.prompts import CAPACITIES, Prompts
-from lemon.spec import Spec, parse_spec
+from lemon.spec import MAX_AGENTS, Spec, parse_spec
+from lemon.spec.schema import canonical
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,8 @@ class SFTConfig:
             raise ValueError("no candidate source: set candidates_per_question > 0 or use_orchestrator=True")
         if self.orchestrator_capacity not in CAPACITIES:
             raise ValueError(f"orchestrator_capacity {self.orchestrator_capacity!r}; valid: {', '.join(CAPACITIES)}")
-        if not 2 <= self.max_agents <= 8:
-            raise ValueError("max_agents must be in 2..8 (multi-agent baselines need at least 2)")
+        if not 2 <= self.max_agents <= MAX_AGENTS:
+            raise ValueError(f"max_agents must be in 2..{MAX_AGENTS} (multi-agent baselines need at least 2)")
 
 
 def _topic(question: str, words: int = 8) -> str:
@@ -104,6 +107,7 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
             cands += [prop.spec] if prop.spec is not None else []
         cands += [mutated_baseline(bench.domain, ex.question, prompts, rng, cfg.max_agents)
                   for _ in range(cfg.candidates_per_question)]
+        cands = [canonical(c) for c in cands]  # execute exactly what the SFT target will say
         stats["candidates"] += len(cands)
         scored = []
         for spec in cands:
@@ -118,7 +122,7 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
                 scored.append((0, spec))
         scored.sort(key=lambda t: t[0])  # prefer the cheapest solving spec
         for tokens, spec in scored[:cfg.keep_per_question]:
-            text = spec.to_yaml()
+            text = canonical(spec).to_yaml()
             if (ex.id, text) in seen:
                 continue
             seen.add((ex.id, text))
@@ -161,6 +165,7 @@ def valid_rate(model, tokenizer, examples, benchmarks: dict, prompts: Prompts, *
     for ex in tqdm(examples, desc="valid rate", disable=not progress):
         msgs = orchestrator_messages(ex.question, benchmarks[ex.benchmark].domain, prompts, max_agents)
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = {k: v.to(model.device) for k, v in ids.items()}  # a CUDA policy needs its inputs on its device
         with torch.no_grad():
             gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
         text = tokenizer.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)

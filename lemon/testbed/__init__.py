@@ -1,0 +1,6 @@
+"""A known-optimum testbed for CF-GRPO (issue 13): SIMULATED workers with an explicit success and cost model (`sim`), a world
+of real train-pool examples with the exact expected reward, optimum and regret of any spec (`world`, `search`), and the
+experiment driver and plots that compare training arms on it (`experiment`, `plots`). Only the workers are simulated: the
+parser, executor, prompts, edits and trainer are the project's own."""
+from lemon.testbed.sim import SimBackend, SimConfig, TaskType  # noqa: F401
+from lemon.testbed.world import TINY, TWO_TYPES, SimWorld, tiny_world, two_type_world  # noqa: F401

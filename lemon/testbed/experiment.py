@@ -1,0 +1,309 @@
+"""The testbed comparison (issue 13): CF-GRPO vs global GRPO (lambda = 0) vs each single edit family, several seeds, the same
+budget, on a SIMULATED world (lemon.testbed.world) whose optimum is known, so every sampled spec has an exact expected
+reward and regret.
+
+Layout of an experiment folder:  <root>/experiment.json (config, world, optimum per type)
+                                  <root>/<arm>/seed-<s>/ (the trainer's run folder + run.json + heldout.jsonl)
+The one call into the trainer is `run_arm`. Everything after it reads files: the trainer's `rollouts.jsonl` (one row per
+sampled spec: step, example_id, text, valid, reward, family, delta, ...), re-scored here from the TEXT with the world's exact
+expected reward, and `heldout.jsonl` (greedy specs on held-out questions every `eval_every` steps). So the aggregation is
+testable on hand-written files (tests/test_testbed.py).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+
+from lemon.prompts import Prompts
+from lemon.run.executor import ExecutorCaps
+from lemon.testbed.world import SimWorld, tiny_world, two_type_world
+from lemon.train.edits import FAMILIES
+from lemon.train.rewards import RewardConfig
+
+ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "global": {"cf_lambda": 0.0},
+                            **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
+WORLDS = ("two", "tiny")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One comparison: which world, arms and seeds, and the budget every run gets."""
+
+    world: str = "two"
+    """'two' (MultiArith easy + GSM8K hard) or 'tiny' (GSM8K only)."""
+    arms: tuple[str, ...] = tuple(ARMS)
+    """Training arms (keys of ARMS)."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """Training seeds per arm (>= 3 for the issue's comparison)."""
+    profile: str = "cpu"
+    """Trainer preset (lemon.train.config.train_preset): policy, batch shape, token caps."""
+    max_steps: int = 30
+    """Optimisation steps of every run (the same budget for every arm)."""
+    train_questions: int = 64
+    """Training questions, the same for every arm and seed (stratified over task types)."""
+    heldout_questions: int = 16
+    """Held-out questions for the greedy evaluation (disjoint from the training ones)."""
+    eval_every: int = 5
+    """Greedy held-out evaluation every this many steps (= the trainer's checkpoint interval)."""
+    data_seed: int = 0
+    """Seeds the choice of training and held-out questions."""
+    threshold: float = 0.25
+    """Regret threshold for steps-to-threshold (smoothed per-step mean regret of the policy's samples)."""
+    smooth: int = 3
+    """Window (steps) of the running mean used for steps-to-threshold."""
+    final_window: int = 5
+    """Final regret = mean regret of the samples of the last this many steps."""
+    init_adapter: str | None = None
+    """LoRA to start every run from (e.g. an SFT warm start); None = the base policy with fresh adapters."""
+    train_overrides: Mapping = field(default_factory=dict)
+    """Further TrainConfig fields for every run (e.g. {"num_generations": 8})."""
+
+    def __post_init__(self):
+        if self.world not in WORLDS:
+            raise ValueError(f"world={self.world!r}; valid: {', '.join(WORLDS)}")
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad or not self.arms or not self.seeds:
+            raise ValueError(f"arms {bad} unknown (valid: {', '.join(ARMS)}), or no arms / seeds given")
+        if min(self.max_steps, self.train_questions, self.heldout_questions, self.eval_every, self.smooth,
+               self.final_window) < 1:
+            raise ValueError("max_steps, train_questions, heldout_questions, eval_every, smooth and final_window must be >= 1")
+
+
+def make_world(name: str, prompts: Prompts) -> SimWorld:
+    return two_type_world(prompts) if name == "two" else tiny_world(prompts)
+
+
+def split_examples(world: SimWorld, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
+    """Disjoint (train, held-out) examples, each balanced over the world's task types (round-robin), seeded."""
+    rng = random.Random(f"testbed-split/{seed}")
+    by_type = {t: sorted((e for e in world.examples() if world.type_of(e) == t), key=lambda e: e.id) for t in world.config.types}
+    for v in by_type.values():
+        rng.shuffle(v)
+    order = [e for group in zip(*by_type.values()) for e in group]  # t1, t2, t1, t2, ... (up to the smallest type)
+    if len(order) < n_train + n_heldout:
+        raise ValueError(f"the world has only {len(order)} balanced examples for {n_train} + {n_heldout}")
+    return order[:n_train], order[n_train:n_train + n_heldout]
+
+
+def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
+    """The TrainConfig of one run: the preset, the arm's CF settings, the seed, the budget. Sized to the sim like
+    lemon.train.config.size_budgets sizes real workers: reply caps at least the sim's reply lengths, task budget at least
+    and efficiency budget exactly the nominal tokens of the most expensive allowed spec (lemon.testbed.world)."""
+    from dataclasses import replace
+
+    from lemon.train.config import train_preset
+    over = {"max_steps": exp.max_steps, "save_steps": exp.eval_every, "seed": seed, "train_questions": exp.train_questions,
+            "benchmarks": tuple(world.config.benchmark_type), **ARMS[arm], **dict(exp.train_overrides)}
+    cfg = train_preset(exp.profile, **over)
+    worst = world.worst_tokens(cfg.max_agents)
+    caps = {c: max(int(cfg.worker_max_tokens.get(c, 0)), n) for c, n in world.worker_max_tokens().items()}
+    # a fresh sim draw per step: with one fixed worker seed a spec would get the same lucky (or unlucky) outcome at every
+    # step and the policy could learn the draw instead of the expected reward
+    fitted = {"worker_max_tokens": caps, "task_token_budget": max(cfg.task_token_budget, worst),
+              "worker_seed_per_step": dict(exp.train_overrides).get("worker_seed_per_step", True)}
+    if "reward" not in exp.train_overrides:
+        fitted["reward"] = replace(cfg.reward, token_budget=worst)
+    return replace(cfg, **fitted)
+
+
+def run_caps(cfg) -> ExecutorCaps:
+    """The executor caps the trainer uses for this config (lemon.train.pipeline builds the same)."""
+    return ExecutorCaps(max_agents=cfg.max_agents, max_tokens=dict(cfg.worker_max_tokens),
+                        task_token_budget=cfg.task_token_budget)
+
+
+def run_arm(arm: str, seed: int, out_dir: Path, world: SimWorld, exp: ExperimentConfig, prompts: Prompts, *,
+            progress: bool = True) -> dict:
+    """Train one (arm, seed) into out_dir (resumable). THE one call into the trainer; run.json records what scoring needs."""
+    from lemon.train.pipeline import train
+    cfg = train_config(arm, seed, exp, world)
+    train_ex, _ = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_run_info(out_dir, arm, seed, cfg.reward, cfg.max_agents, run_caps(cfg))
+    pool = world.pool()
+    try:
+        return train(cfg, out_dir, prompts, pool=pool, init_adapter=exp.init_adapter, examples=train_ex, progress=progress)
+    finally:
+        pool.close()
+
+
+def write_run_info(run_dir: Path, arm: str, seed: int, reward: RewardConfig, max_agents: int, caps: ExecutorCaps) -> None:
+    info = {"arm": arm, "seed": seed, "reward": asdict(reward), "max_agents": max_agents,
+            "caps": {"max_agents": caps.max_agents, "max_tokens": dict(caps.max_tokens),
+                     "task_token_budget": caps.task_token_budget, "max_context_chars": caps.max_context_chars}}
+    (Path(run_dir) / "run.json").write_text(json.dumps(info, indent=1))
+
+
+def read_run_info(run_dir: Path) -> tuple[dict, RewardConfig, int, ExecutorCaps]:
+    info = json.loads((Path(run_dir) / "run.json").read_text())
+    return info, RewardConfig(**info["reward"]), info["max_agents"], ExecutorCaps(**info["caps"])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def score_rows(rows: list[dict], world: SimWorld, run_dir: Path) -> pd.DataFrame:
+    """Rows with `text` and `example_id` (rollouts.jsonl / heldout.jsonl) + exact expected_reward, regret, type."""
+    if not rows:
+        return pd.DataFrame(columns=["arm", "seed", "step", "example_id", "type", "valid", "expected_reward", "regret",
+                                     "reward"])
+    info, reward, max_agents, caps = read_run_info(run_dir)
+    scores = world.score_texts([r["text"] for r in rows], [r["example_id"] for r in rows], reward, max_agents, caps)
+    return pd.DataFrame([{"arm": info["arm"], "seed": info["seed"], "step": int(r["step"]), "example_id": r["example_id"],
+                          "type": world.type_of(world.example(r["example_id"])), "valid": s.valid,
+                          "expected_reward": s.expected_reward, "regret": s.regret, "reward": r.get("reward")}
+                         for r, s in zip(rows, scores)])
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in Path(root).glob("*/seed-*/run.json"))
+
+
+def collect(root: Path, world: SimWorld, which: str = "rollouts") -> pd.DataFrame:
+    """Every scored sample of every run under root: which='rollouts' (training samples) or 'heldout' (greedy eval)."""
+    # rollouts.jsonl also logs the groups that dynamic sampling discarded (kept=false): they were not trained on
+    frames = [score_rows([r for r in read_jsonl(d / f"{which}.jsonl") if r.get("kept", True)], world, d)
+              for d in run_dirs(root)]
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else score_rows([], world, Path(root))
+
+
+def step_curves(samples: pd.DataFrame) -> pd.DataFrame:
+    """Per (arm, seed, step): mean expected reward and regret of the policy's samples, valid rate, n."""
+    g = samples.groupby(["arm", "seed", "step"])
+    return g.agg(expected_reward=("expected_reward", "mean"), regret=("regret", "mean"), valid=("valid", "mean"),
+                 n=("regret", "size")).reset_index()
+
+
+def bootstrap_ci(values, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean (resampling the values, e.g. one per seed). NaN for no values."""
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    means = np.random.default_rng(seed).choice(v, size=(n_boot, len(v)), replace=True).mean(axis=1)
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def band(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Per (arm, step): mean over seeds of `metric` and its bootstrap band (seeds resampled), and the seed count."""
+    out = []
+    for (arm, step), g in curves.groupby(["arm", "step"]):
+        lo, hi = bootstrap_ci(g[metric].tolist())
+        out.append({"arm": arm, "step": step, "mean": g[metric].mean(), "lo": lo, "hi": hi, "seeds": len(g)})
+    return pd.DataFrame(out, columns=["arm", "step", "mean", "lo", "hi", "seeds"])
+
+
+def steps_to_threshold(curve: pd.DataFrame, threshold: float, smooth: int) -> int | None:
+    """First step at which the running mean (window `smooth`, trailing) of one run's regret is <= threshold; None if never."""
+    c = curve.sort_values("step")
+    run = c["regret"].rolling(smooth, min_periods=smooth).mean()
+    hit = c["step"][run <= threshold]
+    return int(hit.iloc[0]) if len(hit) else None
+
+
+def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per arm: final regret (mean of the last final_window steps, per seed) and steps to threshold, each with a bootstrap
+    CI over seeds; how many seeds reached the threshold; the last held-out greedy regret when evaluated."""
+    rows = []
+    for arm in [a for a in exp.arms if a in set(curves["arm"])]:
+        finals, steps = [], []
+        for seed, c in curves[curves["arm"] == arm].groupby("seed"):
+            last = c.sort_values("step").tail(exp.final_window)
+            finals.append(last["regret"].mean())
+            steps.append(steps_to_threshold(c, exp.threshold, exp.smooth))
+        reached = [s for s in steps if s is not None]
+        row = {"arm": arm, "seeds": len(finals), "final_regret": float(np.mean(finals)),
+               "final_regret_ci": bootstrap_ci(finals), "reached": f"{len(reached)}/{len(steps)}",
+               "steps_to_threshold": float(np.mean(reached)) if reached else float("nan"),
+               "steps_ci": bootstrap_ci(reached)}
+        if heldout is not None and len(heldout) and arm in set(heldout["arm"]):
+            h = step_curves(heldout[heldout["arm"] == arm])
+            last = h[h["step"] == h["step"].max()]
+            row["heldout_step"], row["heldout_regret"] = int(last["step"].iloc[0]), float(last["regret"].mean())
+            row["heldout_ci"] = bootstrap_ci(last["regret"].tolist())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ---- held-out greedy evaluation and the experiment record -------------------------------------------------------------
+def eval_points(run_dir: Path, exp: ExperimentConfig) -> list[tuple[int, str | None]]:
+    """(step, adapter) to evaluate: step 0 = the starting adapter, then every checkpoint, then the final adapter."""
+    run_dir = Path(run_dir)
+    pts = {0: exp.init_adapter}
+    for p in (run_dir / "grpo").glob("checkpoint-*"):
+        pts[int(p.name.split("-")[1])] = str(p)
+    if (run_dir / "train.json").exists() and (run_dir / "adapter").exists():
+        pts.setdefault(int(json.loads((run_dir / "train.json").read_text())["steps"]), str(run_dir / "adapter"))
+    return sorted(pts.items())
+
+
+def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prompts: Prompts, cfg, *,
+                     prune: bool = False) -> int:
+    """Greedy specs (the training grammar when constrained) of each eval point's policy on the held-out questions, appended
+    to run_dir/heldout.jsonl ({step, example_id, text}); points already there are skipped. Returns rows written.
+    prune=True deletes each evaluated checkpoint except the latest (which a resume needs): 0.5B LoRA checkpoints with
+    optimizer state are tens of MB each, times steps / eval_every, times arms x seeds."""
+    import gc
+    import shutil
+
+    from lemon.benchmarks import get_benchmark
+    from lemon.eval.orchestrator import orchestrator_messages
+    from lemon.train.policy import load_policy
+    from lemon.train.rollout import GrammarConstraint, sample_specs
+    run_dir = Path(run_dir)
+    _, heldout = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
+    domains = [get_benchmark(e.benchmark).domain for e in heldout]
+    msgs = [orchestrator_messages(e.question, d, prompts, cfg.max_agents) for e, d in zip(heldout, domains)]
+    constraint = None
+    if getattr(cfg, "constrained", False):
+        from lemon.spec.grammar import SpecGrammar
+        constraint = GrammarConstraint(tuple(SpecGrammar.for_domain(prompts, d, max_agents=cfg.max_agents) for d in domains))
+    done, written = {r["step"] for r in read_jsonl(run_dir / "heldout.jsonl")}, 0
+    for step, adapter in eval_points(run_dir, exp):
+        if step in done:
+            continue
+        model, tok = load_policy(cfg.policy, adapter=adapter)
+        samples = sample_specs(model, tok, msgs, n=1, temperature=0.0, max_new_tokens=cfg.max_completion_length, seed=0,
+                               constraint=constraint, dtype="model")  # fp32 greedy: held-out scores comparable
+        with open(run_dir / "heldout.jsonl", "a") as f:
+            for e, s in zip(heldout, samples):
+                f.write(json.dumps({"step": step, "example_id": e.id, "text": s.text}) + "\n")
+                written += 1
+        del model, tok
+        gc.collect()
+    if prune:
+        ckpts = sorted((run_dir / "grpo").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for p in ckpts[:-1]:
+            shutil.rmtree(p)
+    return written
+
+
+def optimum_rows(world: SimWorld, reward: RewardConfig, max_agents: int, caps: ExecutorCaps) -> list[dict]:
+    """The optimum of each task type (its spec text, expected reward, success probability, tokens)."""
+    out = []
+    for t in world.config.types:
+        ex = next(e for e in world.examples() if world.type_of(e) == t)
+        o = world.optimum(ex, reward, max_agents, caps)
+        out.append({"type": t, "expected_reward": o.expected_reward, "p_success": o.p_success, "tokens": o.tokens,
+                    "agents": len(o.spec.agents), "searched": o.searched, "spec": o.spec.to_yaml()})
+    return out
+
+
+def write_experiment(root: Path, exp: ExperimentConfig, world: SimWorld, reward: RewardConfig, max_agents: int,
+                     caps: ExecutorCaps, command: str) -> dict:
+    rec = {"config": {**asdict(exp), "train_overrides": dict(exp.train_overrides)}, "world": world.describe(),
+           "optimum": optimum_rows(world, reward, max_agents, caps), "reward": asdict(reward), "command": command}
+    Path(root).mkdir(parents=True, exist_ok=True)
+    (Path(root) / "experiment.json").write_text(json.dumps(rec, indent=1))
+    return rec

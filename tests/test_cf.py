@@ -1,0 +1,120 @@
+"""The step's (B, T) advantages (lemon.train.cf.step_advantages) against a slow per-token reference, and the properties the
+issue asks for: global and CF terms in the same units, a CF weight per token that does not depend on the span's length,
+errored rollouts excluded, lambda = 0 = plain GRPO."""
+import random
+import statistics
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from lemon.train.cf import cf_advantages, group_advantages, step_advantages  # noqa: E402
+
+
+def _reference(rewards, groups, deltas, cmask, smask, lam, scale, floor):
+    """Obvious loops: group means over scored rollouts, one divisor, per-token sums."""
+    B, T = cmask.shape
+    scored = [i for i in range(B) if rewards[i] is not None]
+    if scale == "batch":
+        vals = [rewards[i] for i in scored]
+        s_all = max(statistics.pstdev(vals) if len(vals) >= 2 else 0.0, floor)
+    out = torch.zeros(B, T)
+    for i in scored:
+        mates = [j for j in scored if groups[j] == groups[i]]
+        if len(mates) < 2:
+            continue
+        mean = sum(rewards[j] for j in mates) / len(mates)
+        s = {"batch": lambda: s_all, "none": lambda: 1.0,
+             "group": lambda: max(statistics.pstdev([rewards[j] for j in mates]), floor)}[scale]()
+        for t in range(T):
+            if cmask[i, t]:
+                out[i, t] = ((rewards[i] - mean) + (lam * deltas[i] if smask[i, t] else 0.0)) / s
+    # a rollout alone in its group (its mates errored) still gets its CF term, scaled
+    for i in scored:
+        mates = [j for j in scored if groups[j] == groups[i]]
+        if len(mates) < 2:
+            s = {"batch": lambda: s_all, "none": lambda: 1.0, "group": lambda: 1.0}[scale]()
+            for t in range(T):
+                if cmask[i, t] and smask[i, t]:
+                    out[i, t] = lam * deltas[i] / s
+    return out
+
+
+def test_step_advantages_match_per_token_loop():
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        G, Q, T = rng.randint(2, 4), rng.randint(1, 3), rng.randint(1, 9)
+        B = G * Q
+        rewards = [None if rng.random() < 0.15 else rng.choice([-1.0, 0.0, 0.0, 1.0, round(rng.random(), 3)])
+                   for _ in range(B)]
+        groups = [i // G for i in range(B)]
+        deltas = [rng.choice([0.0, 0.0, 1.0, -1.0, 0.3]) for _ in range(B)]
+        cmask = (torch.rand(B, T, generator=g) > 0.2).int()
+        smask = (torch.rand(B, T, generator=g) > 0.6).int()
+        lam, scale, floor = rng.choice([0.0, 0.5, 1.0]), rng.choice(["batch", "group", "none"]), 0.1
+        adv, keep, _ = step_advantages(rewards, groups, deltas, cmask, smask, lam=lam, scale=scale, std_floor=floor)
+        ref = _reference(rewards, groups, deltas, cmask, smask, lam, scale, floor)
+        assert torch.allclose(adv, ref, atol=1e-5), (rewards, groups, deltas, scale)
+        assert keep.tolist() == [r is not None for r in rewards]
+
+
+def test_same_units_the_cf_term_is_scaled_like_the_global_term():
+    """Defect 5: with raw delta next to a std-normalised A_i (the old form), the ratio CF / global changes from group to
+    group; with one divisor it does not: scaling every reward AND delta by c leaves all advantages unchanged."""
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.2, 0.1, 0.1, 0.1]  # group 1 has a tiny spread
+    deltas = [1.0, 0, 0, 0, 1.0, 0, 0, 0]
+    cmask, smask = torch.ones(8, 3), torch.zeros(8, 3)
+    smask[0, 1] = smask[4, 1] = 1
+    a1, _, _ = step_advantages(rewards, groups, deltas, cmask, smask, lam=1.0)
+    a3, _, _ = step_advantages([3 * r for r in rewards], groups, [3 * d for d in deltas], cmask, smask, lam=1.0)
+    assert torch.allclose(a1, a3, atol=1e-6)
+    # the same contrast (delta 1) adds the same per-token amount in both groups
+    assert (a1[0, 1] - a1[0, 0]).item() == pytest.approx((a1[4, 1] - a1[4, 0]).item())
+    # in reward units: per unit of delta the CF term adds exactly what one unit of (r - mean) adds to A, in both groups
+    for i, mean in ((0, 0.25), (4, 0.125)):
+        per_reward = a1[i, 0].item() / (rewards[i] - mean)
+        per_delta = (a1[i, 1] - a1[i, 0]).item() / deltas[i]
+        assert per_delta == pytest.approx(per_reward)
+    # the old form (group-std A_i next to a raw delta): one unit of delta is worth std_g units of reward, 0.5 in group 0
+    # and 0.05 in group 1 — the same success flip counts 10x less, relative to A, where the group happens to be flat
+    old = cf_advantages(group_advantages(torch.tensor(rewards), 4), cmask, smask, torch.tensor(deltas), 1.0)
+    w = [((old[i, 1] - old[i, 0]) / (old[i, 0] / (rewards[i] - m))).item() for i, m in ((0, 0.25), (4, 0.125))]
+    assert w[0] / w[1] == pytest.approx(10.0, rel=0.01)
+
+
+def test_cf_weight_per_token_does_not_depend_on_span_length():
+    """A 1-token capacity and a 20-token duty edit with the same contrast: each span token gets the same advantage, so
+    under TRL's token-summed loss the span's gradient is delta/s times the gradient of the span's total log-prob."""
+    T = 24
+    cmask = torch.ones(4, T)
+    smask = torch.zeros(4, T)
+    smask[0, 3] = 1  # capacity: 1 token
+    smask[1, 2:22] = 1  # duty: 20 tokens
+    adv, _, s = step_advantages([0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0], [1.0, 1.0, 0, 0], cmask, smask, lam=1.0)
+    assert adv[0, 3].item() == pytest.approx(adv[1, 10].item()) == pytest.approx(1.0 / s)
+    logits = torch.randn(4, T, 5, requires_grad=True)
+    ids = torch.randint(0, 5, (4, T))
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+    loss = -(adv * logp).sum()  # TRL's dapo loss up to its constant token count
+    loss.backward(retain_graph=True)
+    span_sum = -(1.0 / s) * logp[1, 2:22].sum()  # REINFORCE on the duty as ONE action: delta/s * grad log p(span)
+    g_ref, = torch.autograd.grad(span_sum, logits)
+    assert torch.allclose(logits.grad[1], g_ref[1], atol=1e-6)
+
+
+def test_errored_rollouts_are_excluded_and_lambda_zero_is_plain_grpo():
+    rewards = [1.0, None, 0.0, 0.0]
+    cmask, smask = torch.ones(4, 5), torch.ones(4, 5)
+    adv, keep, _ = step_advantages(rewards, [0] * 4, [0.7, 0.9, 0.0, 0.0], cmask, smask, lam=1.0)
+    assert keep.tolist() == [True, False, True, True] and torch.all(adv[1] == 0)
+    mean = (1.0 + 0.0 + 0.0) / 3  # the errored rollout is not in the baseline
+    s = statistics.pstdev([1.0, 0.0, 0.0])
+    assert adv[0, 0].item() == pytest.approx((1.0 - mean + 0.7) / s)
+    plain, _, _ = step_advantages(rewards, [0] * 4, [0.7, 0.9, 0.0, 0.0], cmask, smask, lam=0.0)
+    nodelta, _, _ = step_advantages(rewards, [0] * 4, [0.0] * 4, cmask, smask, lam=1.0)
+    assert torch.equal(plain, nodelta)
+    flat, _, _ = step_advantages([0.0] * 4, [0] * 4, [1.0, 0, 0, 0], cmask, smask, lam=1.0, std_floor=0.1)
+    assert flat[0, 0].item() == pytest.approx(10.0) and torch.all(flat[1:] == 0)  # floor: 1 / 0.1, not 1 / 1e-4
+    with pytest.raises(ValueError, match="scale"):
+        step_advantages(rewards, [0] * 4, [0] * 4, cmask, smask, lam=1.0, scale="bogus")

@@ -1,0 +1,85 @@
+"""Presets are sized from measured tokens (issue 11 defect 8): the constants in lemon.train.config are re-measured here with
+the real Qwen2.5 tokenizer (the 7B/14B/32B workers of the paper profile share it), and every preset can hold its largest
+spec, keeps token efficiency informative for multi-agent specs and normalises graph cost by its own max_agents."""
+import pytest
+
+from lemon import benchmarks as B
+from lemon.prompts import default_prompts
+from lemon.run.executor import build_messages, domain_reply_caps
+from lemon.spec import Agent, Spec, parse_spec
+from lemon.spec.schema import DUTY_CHARS, ROLE_CHARS
+from lemon.train import config as C
+from lemon.train.rewards import compute_reward
+
+P = default_prompts()
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from transformers import AutoTokenizer
+    from lemon.train.policy import converted_dir
+    return AutoTokenizer.from_pretrained(converted_dir("qwen2.5-coder-0.5b"))
+
+
+def _longest_spec(n: int) -> Spec:
+    """n agents with the grammar's longest role and duty (word-like text: tokenizes like real duties) and every edge."""
+    role = ("Careful step planner " * 5)[:ROLE_CHARS].rstrip()
+    duty = ("Break the word problem into numbered sub steps and check each quantity twice, " * 5)[:DUTY_CHARS].rstrip()
+    agents = tuple(Agent(f"a{i + 1}", "verifier", role, duty, "medium", tuple(f"a{j + 1}" for j in range(i)))
+                   for i in range(n))
+    return Spec(agents, f"a{n}")
+
+
+def test_spec_token_constants_hold_the_longest_spec(qwen):
+    for n in (1, 4, 8):
+        text = _longest_spec(n).to_yaml()
+        parse_spec(text)
+        tokens = len(qwen(text)["input_ids"])
+        assert tokens <= C.SPEC_TOKENS_FIXED + n * C.SPEC_TOKENS_PER_AGENT, (n, tokens)
+    per_agent = (len(qwen(_longest_spec(8).to_yaml())["input_ids"]) - len(qwen(_longest_spec(1).to_yaml())["input_ids"])) / 7
+    assert per_agent > 0.6 * C.SPEC_TOKENS_PER_AGENT  # the constant is not wildly oversized either
+
+
+def test_worker_prompt_constant_covers_a_long_question(qwen):
+    gsm = B.pool("gsm8k", "train")
+    q = max(gsm, key=lambda e: len(e.question))  # the longest GSM8K train question
+    spec = _longest_spec(1)
+    msgs = build_messages(spec.agents[0], [], q.question, P, answer_convention=B.get_benchmark("gsm8k").answer_convention)
+    n = len(qwen.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    assert n > 150  # a real count, not the length of a dict
+    assert n <= C.WORKER_PROMPT_TOKENS, n
+
+
+@pytest.mark.parametrize("profile", ["smoke", "cpu", "paper"])
+def test_presets_hold_their_largest_spec_and_keep_efficiency_informative(profile, qwen):
+    cfg = C.train_preset(profile)
+    n = cfg.max_agents
+    assert len(qwen(_longest_spec(n).to_yaml())["input_ids"]) <= cfg.max_completion_length
+    assert cfg.reward.max_agents == n  # graph cost normalised by what training allows
+    b = C.size_budgets(n, cfg.worker_max_tokens)
+    assert cfg.task_token_budget == b["task"] and cfg.reward.token_budget == b["efficiency"]
+    # where max_agents >= 4: a 3-agent chain whose every agent uses its whole reply cap keeps a clearly non-zero
+    # efficiency term (the old paper preset zeroed it for most multi-agent specs)
+    if n >= 4:
+        reply = max(cfg.worker_max_tokens.values())
+        chain = 3 * (C.WORKER_PROMPT_TOKENS + reply) + 2 * reply
+        spec = parse_spec(Spec(_longest_spec(3).agents, "a3").to_yaml())
+        assert compute_reward(spec, 1.0, chain, cfg.reward).token_efficiency >= 0.25
+
+
+def test_overriding_max_agents_alone_is_refused():
+    with pytest.raises(ValueError, match="reward.max_agents"):
+        C.train_preset("cpu", max_agents=6)
+    with pytest.raises(ValueError, match="cannot hold"):
+        C.train_preset("cpu", max_completion_length=100)
+
+
+def test_code_benchmarks_get_longer_reply_caps():
+    """Defect 9: evaluation used the training reply caps, which cut every HumanEval reply of the coder workers."""
+    from lemon.study.runner import study_preset
+    from lemon.study.stages import eval_caps
+    cfg = study_preset("cpu")
+    assert eval_caps(cfg, "humaneval").max_tokens["medium"] >= 512 > cfg.train.worker_max_tokens["medium"]
+    assert eval_caps(cfg, "gsm8k").max_tokens == domain_reply_caps(cfg.train.worker_max_tokens, "math")
+    with pytest.raises(ValueError, match="domain"):
+        domain_reply_caps({"small": 1}, "poetry")
