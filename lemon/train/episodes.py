@@ -108,6 +108,7 @@ class SpecRollouts:
         self.batch: list[Rollout] = []
         self.last_stats: dict = {}
         self._shadow = None  # SamplingCopy, made at the first rollout when sample_dtype == 'bf16_copy'
+        self._merged = None  # (step, merged bf16 copy) when sample_dtype == 'bf16_merged'
 
     @property
     def cf_lambda(self) -> float:
@@ -126,9 +127,11 @@ class SpecRollouts:
                 import torch
                 self._shadow = SamplingCopy(model, torch.bfloat16)
             model, dtype = self._shadow.sync(model), "model"
-        elif dtype == "bf16_merged":  # a fresh merged bf16 copy: no LoRA overhead per decoding step (lemon.train.dtype)
-            import torch
-            model, dtype = merged_copy(model, torch.bfloat16), "model"
+        elif dtype == "bf16_merged":  # a merged bf16 copy: no LoRA overhead per decoding step (lemon.train.dtype)
+            if self._merged is None or self._merged[0] != step:  # once per step: a resampling attempt reuses it
+                import torch
+                self._merged = (step, merged_copy(model, torch.bfloat16))
+            model, dtype = self._merged[1], "model"
         return sample_specs(model, self.tok, prompts, n=self.g, temperature=self.temperature,
                             max_new_tokens=self.max_new_tokens, seed=_seed("sample", self.seed, step, attempt),
                             constraint=constraint, dtype=dtype)
