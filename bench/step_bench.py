@@ -54,15 +54,20 @@ def main(argv=None) -> int:
     print(f"profile {run['profile']}: policy {run['policy']['model']}, batch {run['batch_size']} (G={run['num_generations']}), "
           f"constrained={run['constrained']}, cf_lambda={run['cf_lambda']}, sample_dtype={run['sample_dtype']}, "
           f"bf16 autocast for the loss: {auto}")
-    print(f"{'step':>4} {'total':>8} {'sample':>8} {'workers':>8} {'cf':>8} {'loss+bwd':>9} {'per rollout':>12}")
+    # per kept rollout = total / batch size; dynamic sampling also samples (and executes) G specs per resampled group
+    print(f"{'step':>4} {'total':>8} {'sample':>8} {'workers':>8} {'cf':>8} {'loss+bwd':>9} {'per rollout':>12} "
+          f"{'sampled':>8} {'per sampled':>12}")
     splits = []
     for r in rows:
         s, w, c, t = r.get("step/sample_s", 0), r.get("step/score_s", 0), r.get("step/cf_s", 0), r["time/step_s"]
-        splits.append((t, s, w, c, t - s - w - c))
-        print(f"{r['step']:>4} {t:8.1f} {s:8.1f} {w:8.1f} {c:8.1f} {t - s - w - c:9.1f} {t / run['batch_size']:12.1f}")
+        n = run["batch_size"] + run["num_generations"] * int(r.get("step/resampled_groups", 0))
+        splits.append((t, s, w, c, t - s - w - c, n))
+        print(f"{r['step']:>4} {t:8.1f} {s:8.1f} {w:8.1f} {c:8.1f} {t - s - w - c:9.1f} {t / run['batch_size']:12.1f} "
+              f"{n:8d} {t / n:12.1f}")
     if splits:
         med = [statistics.median(x) for x in zip(*splits)]
-        print(f"{'med':>4} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:8.1f} {med[4]:9.1f} {med[0] / run['batch_size']:12.1f}")
+        print(f"{'med':>4} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:8.1f} {med[4]:9.1f} {med[0] / run['batch_size']:12.1f} "
+              f"{med[5]:8.0f} {statistics.median(x[0] / x[5] for x in splits):12.1f}")
     if wall is not None:
         print(f"wall {wall:.0f} s including model load; folder {out}")
     return 0

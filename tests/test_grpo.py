@@ -204,6 +204,19 @@ def _lora_state(path):
     return load_file(str(Path(path) / "adapter_model.safetensors"))
 
 
+def test_restart_drops_rows_of_steps_after_the_checkpoint(tmp_path):
+    # a run killed before its first checkpoint restarts at step 1: its step-1 rows must not stay next to the new ones
+    from lemon.train.pipeline import _truncate_rows
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "i": i}) + "\n" for s in (1, 2, 3) for i in range(2)))
+    _truncate_rows(path, 2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 1, 2, 2]
+    _truncate_rows(path, 0)  # no checkpoint: everything is redone
+    assert path.read_text() == ""
+    _truncate_rows(tmp_path / "missing.jsonl", 0)  # nothing written yet: nothing to do
+    assert not (tmp_path / "missing.jsonl").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # SFT warm start + 3 CF-GRPO steps on CPU (~10 min on 2 idle cores)
 def test_real_smoke_training_run_and_resume(tmp_path):

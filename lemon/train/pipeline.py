@@ -169,7 +169,10 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
     ckpt = latest_checkpoint(out / "grpo")
     if ckpt is not None:
         load_cf_state(rollouts, ckpt)
-        _truncate_rollouts(out / "rollouts.jsonl", int(ckpt.name.split("-")[1]))
+    # Rows of steps after the checkpoint (all rows, when a run died before its first checkpoint) are sampled again.
+    done_step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
+    for name in ("rollouts.jsonl", "metrics.jsonl"):
+        _truncate_rows(out / name, done_step)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
     trainer.model.save_pretrained(out / "adapter")
     tok.save_pretrained(out / "adapter")
@@ -180,8 +183,8 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
     return rec
 
 
-def _truncate_rollouts(path: Path, step: int) -> None:
-    """On resume from checkpoint-<step>, drop rollouts.jsonl rows of later steps (they will be sampled again)."""
+def _truncate_rows(path: Path, step: int) -> None:
+    """On resume from checkpoint-<step> (step 0: no checkpoint), drop JSONL rows of later steps (they are redone)."""
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
