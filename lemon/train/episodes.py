@@ -108,7 +108,7 @@ class SpecRollouts:
         self.batch: list[Rollout] = []
         self.last_stats: dict = {}
         self._shadow = None  # SamplingCopy, made at the first rollout when sample_dtype == 'bf16_copy'
-        self._merged = None  # (step, merged bf16 copy) when sample_dtype == 'bf16_merged'
+        self._merged = None  # merged bf16 copy when sample_dtype == 'bf16_merged': made per step, freed before the loss
 
     @property
     def cf_lambda(self) -> float:
@@ -128,10 +128,10 @@ class SpecRollouts:
                 self._shadow = SamplingCopy(model, torch.bfloat16)
             model, dtype = self._shadow.sync(model), "model"
         elif dtype == "bf16_merged":  # a merged bf16 copy: no LoRA overhead per decoding step (lemon.train.dtype)
-            if self._merged is None or self._merged[0] != step:  # once per step: a resampling attempt reuses it
+            if self._merged is None:  # once per step: a resampling attempt reuses it (__call__ frees it)
                 import torch
-                self._merged = (step, merged_copy(model, torch.bfloat16))
-            model, dtype = self._merged[1], "model"
+                self._merged = merged_copy(model, torch.bfloat16)
+            model, dtype = self._merged, "model"
         return sample_specs(model, self.tok, prompts, n=self.g, temperature=self.temperature,
                             max_new_tokens=self.max_new_tokens, seed=_seed("sample", self.seed, step, attempt),
                             constraint=constraint, dtype=dtype)
@@ -165,6 +165,7 @@ class SpecRollouts:
             for q, g in zip(flat, new):
                 discarded.extend(groups[q])  # logged as kept=false: nothing sampled disappears from rollouts.jsonl
                 groups[q] = g  # the newest attempt is kept, flat or not
+        self._merged = None  # stale after this step's update; not held (~1 GB for the 0.5B) through loss and backward
         batch = [r for g in groups for r in g]
         for q, g in enumerate(groups):
             self.labels.update(eids[q], g)
