@@ -69,7 +69,9 @@ def run_valid(a):
     for bench, k in sets:
         msgs, dom = _messages(bench, k, a.seed, a.max_agents)
         roles = default_prompts().roles_for(dom)
-        for arm in ("constrained", "unconstrained"):
+        for arm in a.arms.split(","):
+            if arm not in ("constrained", "unconstrained"):
+                raise SystemExit(f"--arms: unknown arm {arm!r} (constrained, unconstrained)")
             con = GrammarConstraint(SpecGrammar.for_domain(default_prompts(), dom, max_agents=a.max_agents), cache) \
                 if arm == "constrained" else None
             out, wall = [], 0.0
@@ -270,6 +272,7 @@ def main(argv=None):
     ap.add_argument("--batch-prompts", type=int, default=1, help="questions per generate call (x n rows)")
     ap.add_argument("--extra", action="store_true", help="also one mmlu and one humaneval row set")
     ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--arms", default="constrained,unconstrained", help="valid mode: which arms to sample")
     ap.add_argument("--max-agents", type=int, default=4)
     ap.add_argument("--sampling-dtype", default="model", help="'model' or 'autocast_bf16' (lemon.train.dtype)")
     ap.add_argument("--bf16-copy", action="store_true", help="valid mode: sample a bf16 SamplingCopy of the policy")

@@ -1,6 +1,7 @@
 """Worker-server figures (issue 12), printed, not asserted. Real shipped models, the llama-server built by scripts/setup.sh.
 
   .venv/bin/python bench/server_bench.py [--only batched,threads,eval] [--questions 20] [--k 4] [--out outputs/bench/servers]
+  .venv/bin/python bench/server_bench.py --only step --run outputs/train-cpu-20261201/grpo_run --step 2
 
 1. batched: aggregate tokens/s of K concurrent requests to one managed llama-server (prompt ~256 tokens, 64 generated,
    ignore_eos) vs llama.cpp's own `llama-batched-bench` S at batch K (npp 256, ntg 64), same build, same model, same -t.
@@ -12,6 +13,11 @@
    seed 0): the in-process llama-cpp-python backend (the default before issue 12, when the package is installed) vs the
    managed servers at --concurrency K. Goal >= 2x. Accuracy and tokens are printed too (greedy; they may differ slightly:
    continuous batching is not bit-for-bit batch-invariant).
+4. step: the worker time of one recorded CF-GRPO step (--run a `lemon train` grpo_run folder, --step N): every spec that
+   step sampled (kept and discarded groups) executed, then one counterfactual edit per valid rollout (edit RNG and family
+   sampler as the trainer seeds them; a fresh sampler, so both arms get the same edits), through lemon.train.scoring with a
+   fresh node cache: the in-process backend run sequentially (the executor before issue 12) vs the managed servers at the
+   trainer's rollout concurrency.
 Every figure depends on what else runs on the machine: say so when you quote one.
 """
 from __future__ import annotations
@@ -211,6 +217,61 @@ def section_eval(a, log_dir: Path):
                   f"{s['mean_worker_tokens']:.0f}, errors {s['errors']}", flush=True)
 
 
+def section_step(a, log_dir: Path):
+    from lemon import benchmarks as B
+    from lemon.prompts import default_prompts
+    from lemon.run.executor import ExecutorCaps, NodeCache
+    from lemon.run.workers import WorkerPool
+    from lemon.train.edits import FamilySampler
+    from lemon.train.rewards import RewardConfig
+    from lemon.train.scoring import SpecScorer
+    if not a.run:
+        raise SystemExit("--only step needs --run <a lemon train grpo_run folder> (and --step N)")
+    run = Path(a.run)
+    cfg = json.loads((run / "manifest.json").read_text())["config"]
+    rows = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if r["step"] == a.step]
+    if not rows:
+        raise SystemExit(f"no rollouts of step {a.step} in {run}/rollouts.jsonl")
+    P = default_prompts()
+    examples = {e.id: e for b in cfg["benchmarks"] for e in B.pool(b, "train")}
+    benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
+    caps = ExecutorCaps(max_agents=cfg["max_agents"], max_tokens=dict(cfg["worker_max_tokens"]),
+                        task_token_budget=cfg["task_token_budget"])
+    # character "tokens": the span mapping is exact and costs nothing; the worker work is what is timed
+    items = [(r["example_id"], r["text"], [ord(c) for c in r["text"]], r["group"], r["attempt"]) for r in rows]
+    print(f"[step] {run} step {a.step}: {len(items)} sampled specs ({sum(r['valid'] for r in rows)} valid), "
+          f"one CF edit each (lambda {cfg['cf_lambda']}), caps {dict(caps.max_tokens)}", flush=True)
+    arms = [arm for arm in a.arms.split(",") if arm in ("in-process", "servers")]
+    for arm in arms:
+        if arm == "in-process":
+            lock = threading.Lock()  # one CPU lock shared by the pool's handles, as before issue 12
+            loaded = {n: InProcess(n, lock) for n in dict.fromkeys(DEFAULT_LADDER.values())}
+            pool, k = WorkerPool({c: loaded[n] for c, n in DEFAULT_LADDER.items()}), 1
+        else:
+            pool = WorkerPool.embedded_default(server=ServerConfig(slots=a.k, threads=a.threads), log_dir=log_dir / "step")
+            k = cfg["rollout_concurrency"]
+        for c, n in cfg["worker_max_tokens"].items():
+            pool.params[c] = dataclasses.replace(pool.params[c], max_tokens=n)
+        scorer = SpecScorer(pool, P, examples, benches, reward=RewardConfig(**cfg["reward"]), caps=caps, cache=NodeCache(),
+                            sampler=FamilySampler(floor=cfg["family_floor"]), cf_lambda=cfg["cf_lambda"],
+                            families=tuple(cfg["cf_families"]), max_agents=cfg["max_agents"], seed=cfg["seed"],
+                            concurrency=k, worker_seed_per_step=cfg["worker_seed_per_step"])
+        try:
+            t0 = time.perf_counter()
+            rolls = scorer.score(items, a.step)
+            t1 = time.perf_counter()
+            scorer.add_counterfactuals(rolls, a.step, lambda ids: "".join(map(chr, ids)))
+            t2 = time.perf_counter()
+        finally:
+            pool.close()
+        ok = sum(r.cf_status == "ok" for r in rolls)
+        print(f"[step] {arm:10s} concurrency {k}: rollouts {t1 - t0:.0f} s + CF re-execution {t2 - t1:.0f} s = "
+              f"{t2 - t0:.0f} s worker time; {sum(r.tokens_spent for r in rolls)} + {sum(r.cf_tokens_spent for r in rolls)} "
+              f"tokens; success {sum(r.reward.success for r in rolls if r.valid)}/{sum(r.valid for r in rolls)}, "
+              f"CF deltas {ok}, errored {sum(r.errored for r in rolls)}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="batched,threads,eval", help="comma-separated sections to run")
@@ -221,13 +282,16 @@ def main():
     ap.add_argument("--cells", default="cot:large,complete:medium", help="method:capacity cells of the eval section")
     ap.add_argument("--arms", default="in-process,servers", help="arms of the eval section")
     ap.add_argument("--out", default=None, help="folder for server logs and eval rows (default: a temp dir)")
+    ap.add_argument("--run", default=None, help="step section: a `lemon train` grpo_run folder (manifest + rollouts.jsonl)")
+    ap.add_argument("--step", type=int, default=2, help="step section: which recorded step to re-execute")
     a = ap.parse_args()
     log_dir = Path(a.out or tempfile.mkdtemp(prefix="lemon-server-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary()
     print(f"llama-server {binary} build: {build_info(binary).get('key', '?')}\nlogs and rows: {log_dir}; cores "
           f"{usable_cores()}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
-    for name, fn in (("batched", section_batched), ("threads", section_threads), ("eval", section_eval)):
+    for name, fn in (("batched", section_batched), ("threads", section_threads), ("eval", section_eval),
+                     ("step", section_step)):
         if name in a.only.split(","):
             fn(a, log_dir)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")

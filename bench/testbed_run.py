@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lemon.prompts import default_prompts  # noqa: E402
-from lemon.testbed.experiment import (ARMS, WORLDS, ExperimentConfig, evaluate_heldout, make_world, run_arm,  # noqa: E402
-                                      run_caps, train_config, write_experiment)
+from lemon.testbed.experiment import (ARMS, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,  # noqa: E402
+                                      make_world, run_arm, run_caps, train_config, write_experiment)
 from lemon.testbed.plots import write_report  # noqa: E402
 
 
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--init-adapter", default=None, help="LoRA every run starts from (e.g. an SFT warm start)")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON", help="extra TrainConfig fields, e.g. num_generations=8")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--scoring", choices=SCORINGS, default="exact",
+                    help="exact: each rollout rewarded with its exact expected reward; sampled: one simulated outcome")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out greedy evaluation (training curves only)")
     ap.add_argument("--prune-checkpoints", action="store_true",
                     help="after a run's held-out evaluation, delete its checkpoints but the latest (disk)")
@@ -56,14 +58,15 @@ def main(argv=None) -> int:
     overrides = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
     exp = ExperimentConfig(world=a.world, arms=tuple(a.arms), seeds=tuple(a.seeds), profile=a.profile, max_steps=a.steps,
                            train_questions=a.train_questions, heldout_questions=a.heldout, eval_every=a.eval_every,
-                           threshold=a.threshold, init_adapter=a.init_adapter, train_overrides=overrides)
+                           threshold=a.threshold, init_adapter=a.init_adapter, train_overrides=overrides,
+                           scoring=a.scoring)
     root = a.out or Path("outputs") / "testbed" / a.world
     prompts, world = default_prompts(), make_world(a.world, default_prompts())
     cfg0 = train_config(exp.arms[0], exp.seeds[0], exp, world)
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     if not a.report:
         rec = write_experiment(root, exp, world, cfg0.reward, cfg0.max_agents, run_caps(cfg0), command)
-        print(f"[testbed] world {a.world}: {world.describe()['by_type']} examples; SIMULATED workers; reward "
+        print(f"[testbed] world {a.world}: {world.describe()['by_type']} examples; SIMULATED workers, {a.scoring} scoring; reward "
               f"{cfg0.reward.form if hasattr(cfg0.reward, 'form') else ''} token_budget {cfg0.reward.token_budget}")
         for o in rec["optimum"]:
             print(f"[testbed] optimum for '{o['type']}': expected reward {o['expected_reward']:.4f}, P(success) "

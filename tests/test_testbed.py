@@ -286,3 +286,46 @@ def test_aggregation_and_report(tmp_path):
     assert "SIMULATED" in md and "| cf |" in md and "pytest tests/test_testbed.py" in md
     for png in ("curves.png", "summary.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 10_000
+
+
+# ---- exact scoring (lemon.testbed.exact) ---------------------------------------------------------------------------------
+def test_exact_scorer_rewards_and_deltas_are_the_worlds_expected_values():
+    """The trainer's scorer with exact scoring: every rollout's reward is the world's expected reward of its spec (no worker
+    call), an invalid text gets r_invalid, and the counterfactual delta is the exact difference E[r(y)] - E[r(y')] of the
+    very edit the scorer drew (re-drawn here with the scorer's per-rollout RNG)."""
+    from lemon.spec import parse_spec
+    from lemon.testbed.exact import ExactScorer, exact_scorer_factory
+    from lemon.train.edits import FamilySampler, sample_edit
+    from lemon.train.scoring import SpecScorer, edit_seed
+
+    ex = TINY.examples()[0]
+    caps = ExecutorCaps(max_agents=4, max_tokens={"small": 100, "medium": 160, "large": 240}, task_token_budget=5000)
+    pool, calls = TINY.pool(), []
+    pool.chat = lambda *a, **k: calls.append(a)  # the executor calls pool.chat: exact scoring must never get here
+    scorer = exact_scorer_factory(TINY)(pool, P, {ex.id: ex}, {"gsm8k": GSM}, reward=R, caps=caps, cache=NodeCache(),
+                                        sampler=FamilySampler(), cf_lambda=1.0, max_agents=4, seed=3)
+    assert isinstance(scorer, ExactScorer) and isinstance(scorer, SpecScorer)
+    specs = [spec(A("a1", cap="large"), A("a2", ["a1"], cap="large", base="verifier")),
+             spec(A("a1", cap="medium"), A("a2", ["a1"], cap="small", base="critic"), A("a3", ["a2", "a1"], base="decider")),
+             spec(A("a1", cap="small", duty=P.default_duty("solver")))]
+    texts = [s.to_yaml() for s in specs] + ["agents: [oops"]
+    rolls = scorer.score([(ex.id, t, [ord(c) for c in t], 0, 0) for t in texts], step=1)  # char "tokens": exact decode
+    for r, s in zip(rolls, specs):
+        ev = TINY.evaluate(s, ex, R, caps)
+        assert r.valid and r.total == pytest.approx(ev.expected_reward) and r.reward.success == pytest.approx(ev.p_success)
+        assert r.reward.worker_tokens == ev.tokens and r.tokens_spent == 0
+    assert rolls[0].total > rolls[2].total > 0  # a large checked solver is worth more than a small base-duty one
+    assert not rolls[3].valid and rolls[3].total == R.r_invalid
+    probs = scorer.sampler.probs()
+    scorer.add_counterfactuals(rolls, step=1, decode=lambda ids: "".join(map(chr, ids)))
+    checked = 0
+    for i, (r, t) in enumerate(zip(rolls[:3], texts)):
+        parsed = parse_spec(t, base_roles=P.roles_for("math"), max_agents=4)
+        edit = sample_edit(parsed, P, random.Random(edit_seed(3, 1, i)), probs)
+        if edit is None:
+            assert r.cf_status == "no_site"
+            continue
+        assert r.cf_status == "ok" and r.family == edit.family and r.span_positions
+        assert r.delta == pytest.approx(r.total - TINY.expected_reward(edit.spec, ex, R, caps))
+        checked += 1
+    assert checked >= 2 and not calls

@@ -22,6 +22,7 @@ import pandas as pd
 
 from lemon.prompts import Prompts
 from lemon.run.executor import ExecutorCaps
+from lemon.testbed.exact import exact_scorer_factory
 from lemon.testbed.world import SimWorld, tiny_world, two_type_world
 from lemon.train.edits import FAMILIES
 from lemon.train.rewards import RewardConfig
@@ -29,6 +30,7 @@ from lemon.train.rewards import RewardConfig
 ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "global": {"cf_lambda": 0.0},
                             **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
 WORLDS = ("two", "tiny")
+SCORINGS = ("exact", "sampled")
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,13 @@ class ExperimentConfig:
     """LoRA to start every run from (e.g. an SFT warm start); None = the base policy with fresh adapters."""
     train_overrides: Mapping = field(default_factory=dict)
     """Further TrainConfig fields for every run (e.g. {"num_generations": 8})."""
+    scoring: str = "exact"
+    """'exact': rollouts and edits rewarded with their exact expected reward (lemon.testbed.exact, no outcome noise);
+    'sampled': executed on the simulated pool, one sampled outcome each (the real trainer's noise)."""
 
     def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring={self.scoring!r}; valid: {', '.join(SCORINGS)}")
         if self.world not in WORLDS:
             raise ValueError(f"world={self.world!r}; valid: {', '.join(WORLDS)}")
         bad = [a for a in self.arms if a not in ARMS]
@@ -126,16 +133,19 @@ def run_arm(arm: str, seed: int, out_dir: Path, world: SimWorld, exp: Experiment
     train_ex, _ = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_run_info(out_dir, arm, seed, cfg.reward, cfg.max_agents, run_caps(cfg))
-    pool = world.pool()
+    write_run_info(out_dir, arm, seed, cfg.reward, cfg.max_agents, run_caps(cfg), exp.scoring)
+    pool = world.pool()  # 'exact' makes no worker call; the pool still describes the workers in the manifest
+    factory = exact_scorer_factory(world) if exp.scoring == "exact" else None
     try:
-        return train(cfg, out_dir, prompts, pool=pool, init_adapter=exp.init_adapter, examples=train_ex, progress=progress)
+        return train(cfg, out_dir, prompts, pool=pool, init_adapter=exp.init_adapter, examples=train_ex, progress=progress,
+                     scorer_factory=factory)
     finally:
         pool.close()
 
 
-def write_run_info(run_dir: Path, arm: str, seed: int, reward: RewardConfig, max_agents: int, caps: ExecutorCaps) -> None:
-    info = {"arm": arm, "seed": seed, "reward": asdict(reward), "max_agents": max_agents,
+def write_run_info(run_dir: Path, arm: str, seed: int, reward: RewardConfig, max_agents: int, caps: ExecutorCaps,
+                   scoring: str = "sampled") -> None:
+    info = {"arm": arm, "seed": seed, "scoring": scoring, "reward": asdict(reward), "max_agents": max_agents,
             "caps": {"max_agents": caps.max_agents, "max_tokens": dict(caps.max_tokens),
                      "task_token_budget": caps.task_token_budget, "max_context_chars": caps.max_context_chars}}
     (Path(run_dir) / "run.json").write_text(json.dumps(info, indent=1))
@@ -239,10 +249,11 @@ def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataF
 # ---- held-out greedy evaluation and the experiment record -------------------------------------------------------------
 def eval_points(run_dir: Path, exp: ExperimentConfig) -> list[tuple[int, str | None]]:
     """(step, adapter) to evaluate: step 0 = the starting adapter, then every checkpoint, then the final adapter."""
+    from lemon.train.pipeline import checkpoint_step
     run_dir = Path(run_dir)
     pts = {0: exp.init_adapter}
     for p in (run_dir / "grpo").glob("checkpoint-*"):
-        pts[int(p.name.split("-")[1])] = str(p)
+        pts[checkpoint_step(p)] = str(p)
     if (run_dir / "train.json").exists() and (run_dir / "adapter").exists():
         pts.setdefault(int(json.loads((run_dir / "train.json").read_text())["steps"]), str(run_dir / "adapter"))
     return sorted(pts.items())
@@ -259,6 +270,7 @@ def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prom
 
     from lemon.benchmarks import get_benchmark
     from lemon.eval.orchestrator import orchestrator_messages
+    from lemon.train.pipeline import checkpoints
     from lemon.train.policy import load_policy
     from lemon.train.rollout import GrammarConstraint, sample_specs
     run_dir = Path(run_dir)
@@ -283,7 +295,7 @@ def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prom
         del model, tok
         gc.collect()
     if prune:
-        ckpts = sorted((run_dir / "grpo").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        ckpts = checkpoints(run_dir / "grpo")
         for p in ckpts[:-1]:
             shutil.rmtree(p)
     return written

@@ -64,6 +64,10 @@ def summary_figure(table: pd.DataFrame, threshold: float):
     return fig
 
 
+_TRAIN_REWARD = {"exact": "each rollout's and each edit's exact expected reward (lemon.testbed.exact, no outcome noise)",
+                 "sampled": "one simulated outcome per execution (the executor on the simulated pool)"}
+
+
 def _fmt_ci(ci) -> str:
     if not isinstance(ci, (tuple, list)) or ci[0] != ci[0]:  # NaN or missing (e.g. no held-out evaluation for that arm)
         return "-"
@@ -95,8 +99,9 @@ def write_report(root: Path, exp: ExperimentConfig, world: SimWorld) -> Path:
     md = [f"# Testbed comparison ({exp.world} world, SIMULATED workers)", "",
           f"Arms {', '.join(arms)}; seeds {list(exp.seeds)}; {exp.max_steps} steps each; profile `{exp.profile}`; "
           f"{exp.train_questions} training / {exp.heldout_questions} held-out train-pool questions (data seed "
-          f"{exp.data_seed}). Every sampled spec is scored by its EXACT expected reward under the simulated workers "
-          f"(lemon.testbed.world); regret = optimum - expected reward. Final regret = mean over the last {exp.final_window} "
+          f"{exp.data_seed}). Training rewards: {_TRAIN_REWARD[exp.scoring]}. For the curves below every sampled spec "
+          f"is re-scored by its EXACT expected reward under the simulated workers (lemon.testbed.world); regret = "
+          f"optimum - expected reward. Final regret = mean over the last {exp.final_window} "
           f"steps; steps to threshold = first step whose {exp.smooth}-step running mean regret is <= {exp.threshold:g}; CIs "
           "are 95% bootstrap over seeds (with 3 seeds, crude).", "",
           f"Regenerate: `{rec.get('command', 'bench/testbed_run.py')}`", "", "## Optimum per task type", "", md_table(opt), "",

@@ -161,9 +161,12 @@ def train_preset(profile: str, **overrides) -> TrainConfig:
                      train_questions=2, num_generations=2, batch_size=2, max_steps=2, save_steps=1,
                      learning_rate=1e-4, temperature=1.0, curriculum=False)
     elif profile == "cpu":
-        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, 2 questions x G=4 per step.
-        cfg = _sized("cpu", 4, {"small": 192, "medium": 256, "large": 320}, train_questions=64, num_generations=4,
-                     batch_size=8, micro_batch=4, max_steps=8, learning_rate=2e-5)
+        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, 2 questions x G=4 per step. The math
+        # pools run easiest first (round-robin MultiArith, SVAMP, GSM8K) and a flat group gets two more draws: on GSM8K
+        # alone with one redraw, half the groups were all-fail under the gated reward (LOG.md, 2026-12-01 session 7).
+        cfg = _sized("cpu", 4, {"small": 192, "medium": 256, "large": 320}, benchmarks=("multiarith", "svamp", "gsm8k"),
+                     train_questions=64, num_generations=4, batch_size=8, micro_batch=4, max_steps=8,
+                     learning_rate=2e-5, resample=2)
     elif profile == "paper":
         # One GPU with internet: Qwen2.5-7B policy via Unsloth; one vLLM server per capacity (scripts/vllm_workers.sh;
         # edit the base_urls to your servers). Paper: G=4, ~1500 steps.

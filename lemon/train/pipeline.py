@@ -41,8 +41,18 @@ def build_pool(cfg: TrainConfig):
     return WorkerPool.embedded_default(max_tokens=dict(cfg.worker_max_tokens))
 
 
+def checkpoint_step(p: Path) -> int:
+    """The step of a TRL checkpoint folder `checkpoint-<step>`."""
+    return int(Path(p).name.split("-")[1])
+
+
+def checkpoints(d: Path) -> list[Path]:
+    """The checkpoint folders under d, oldest step first."""
+    return sorted(Path(d).glob("checkpoint-*"), key=checkpoint_step)
+
+
 def latest_checkpoint(d: Path) -> Path | None:
-    cks = sorted(Path(d).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    cks = checkpoints(d)
     return cks[-1] if cks else None
 
 
@@ -85,11 +95,12 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
 
 
 def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adapter: str | Path | None = None,
-          examples: list | None = None, progress: bool = True) -> dict:
+          examples: list | None = None, progress: bool = True, scorer_factory=None) -> dict:
     """Train (or resume) into `out`: checkpoints under out/grpo, the final adapter in out/adapter, per-step metrics in
     out/metrics.jsonl, every rollout in out/rollouts.jsonl, manifest.json. `init_adapter` (e.g. the SFT warm start) is where
     the LoRA starts; `examples` replaces the seeded train-pool sample (e.g. the testbed's questions; they must still come
-    from train pools). Returns {"steps", "adapter", "history"}; a run finished with this very config is returned as is."""
+    from train pools). `scorer_factory` replaces lemon.train.scoring.SpecScorer (same arguments; e.g. the testbed's exact
+    scorer, lemon.testbed.exact). Returns {"steps", "adapter", "history"}; a run finished with this very config is returned as is."""
     out = Path(out)
     if (out / "train.json").exists() and (out / "adapter").exists():
         done = json.loads((out / "train.json").read_text())
@@ -100,13 +111,14 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adap
     own_pool = pool is None
     pool = pool or build_pool(cfg)
     try:  # whatever fails below (a policy that does not load, a bad config), a pool we started is closed
-        return _train(cfg, out, prompts, pool, init_adapter, examples, progress)
+        return _train(cfg, out, prompts, pool, init_adapter, examples, progress, scorer_factory)
     finally:
         if own_pool:
             pool.close()
 
 
-def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, examples, progress: bool) -> dict:
+def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, examples, progress: bool,
+           scorer_factory=None) -> dict:
     import torch
     from datasets import Dataset
     from trl import GRPOConfig
@@ -124,14 +136,16 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
         write_json(out / "manifest.json", build_manifest(cfg.to_dict(), prompts_sha256=prompts.sha256, workers=pool.describe(),
                                                          seeds={"train": cfg.seed},
                                                          extra={"train_ids": [e.id for e in examples],
-                                                                "policy_backend": backend}))
+                                                                "policy_backend": backend,
+                                                                "scorer": getattr(scorer_factory, "name", "SpecScorer")}))
     model, tok = load_policy(cfg.policy, adapter=init_adapter)
     caps = ExecutorCaps(max_agents=cfg.max_agents, max_tokens=dict(cfg.worker_max_tokens),
                         task_token_budget=cfg.task_token_budget)
-    scorer = SpecScorer(pool, prompts, {e.id: e for e in examples}, benches, reward=cfg.reward, caps=caps,
-                        cache=NodeCache(path=out / "node_cache.jsonl"), sampler=FamilySampler(floor=cfg.family_floor),
-                        cf_lambda=cfg.cf_lambda, families=cfg.cf_families, max_agents=cfg.max_agents, seed=cfg.seed,
-                        concurrency=cfg.rollout_concurrency, worker_seed_per_step=cfg.worker_seed_per_step)
+    scorer = (scorer_factory or SpecScorer)(
+        pool, prompts, {e.id: e for e in examples}, benches, reward=cfg.reward, caps=caps,
+        cache=NodeCache(path=out / "node_cache.jsonl"), sampler=FamilySampler(floor=cfg.family_floor),
+        cf_lambda=cfg.cf_lambda, families=cfg.cf_families, max_agents=cfg.max_agents, seed=cfg.seed,
+        concurrency=cfg.rollout_concurrency, worker_seed_per_step=cfg.worker_seed_per_step)
     grammars = cache = None
     if cfg.constrained:  # one grammar per domain (its base roles), compiled once per run
         from lemon.spec.grammar import GrammarCache, SpecGrammar
@@ -170,7 +184,7 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
     if ckpt is not None:
         load_cf_state(rollouts, ckpt)
     # Rows of steps after the checkpoint (all rows, when a run died before its first checkpoint) are sampled again.
-    done_step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
+    done_step = checkpoint_step(ckpt) if ckpt is not None else 0
     for name in ("rollouts.jsonl", "metrics.jsonl"):
         _truncate_rows(out / name, done_step)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
