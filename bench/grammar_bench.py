@@ -53,6 +53,10 @@ def _load(name: str, adapter: str | None = None):
 
 def run_valid(a):
     from lemon.train.rollout import GrammarConstraint, sample_specs
+    arms = a.arms.split(",")
+    bad = set(arms) - {"constrained", "unconstrained"}
+    if bad:  # before the model loads
+        raise SystemExit(f"--arms: unknown arm(s) {sorted(bad)} (constrained, unconstrained)")
     model, tok = _load(a.model, a.adapter)
     if a.bf16_copy:
         import torch
@@ -69,9 +73,7 @@ def run_valid(a):
     for bench, k in sets:
         msgs, dom = _messages(bench, k, a.seed, a.max_agents)
         roles = default_prompts().roles_for(dom)
-        for arm in a.arms.split(","):
-            if arm not in ("constrained", "unconstrained"):
-                raise SystemExit(f"--arms: unknown arm {arm!r} (constrained, unconstrained)")
+        for arm in arms:
             con = GrammarConstraint(SpecGrammar.for_domain(default_prompts(), dom, max_agents=a.max_agents), cache) \
                 if arm == "constrained" else None
             out, wall = [], 0.0

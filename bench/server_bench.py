@@ -234,9 +234,10 @@ def section_step(a, log_dir: Path):
     if not rows:
         raise SystemExit(f"no rollouts of step {a.step} in {run}/rollouts.jsonl")
     P = default_prompts()
+    max_tokens = dict(cfg["worker_max_tokens"])  # the run's per-capacity reply caps: executor caps and both pools
     examples = {e.id: e for b in cfg["benchmarks"] for e in B.pool(b, "train")}
     benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
-    caps = ExecutorCaps(max_agents=cfg["max_agents"], max_tokens=dict(cfg["worker_max_tokens"]),
+    caps = ExecutorCaps(max_agents=cfg["max_agents"], max_tokens=max_tokens,
                         task_token_budget=cfg["task_token_budget"])
     # character "tokens": the span mapping is exact and costs nothing; the worker work is what is timed
     items = [(r["example_id"], r["text"], [ord(c) for c in r["text"]], r["group"], r["attempt"]) for r in rows]
@@ -247,12 +248,13 @@ def section_step(a, log_dir: Path):
         if arm == "in-process":
             lock = threading.Lock()  # one CPU lock shared by the pool's handles, as before issue 12
             loaded = {n: InProcess(n, lock) for n in dict.fromkeys(DEFAULT_LADDER.values())}
-            pool, k = WorkerPool({c: loaded[n] for c, n in DEFAULT_LADDER.items()}), 1
+            pool = WorkerPool({c: loaded[n] for c, n in DEFAULT_LADDER.items()},
+                              {c: SamplingParams(max_tokens=max_tokens[c]) for c in DEFAULT_LADDER})
+            k = 1
         else:
-            pool = WorkerPool.embedded_default(server=ServerConfig(slots=a.k, threads=a.threads), log_dir=log_dir / "step")
+            pool = WorkerPool.embedded_default(max_tokens=max_tokens, server=ServerConfig(slots=a.k, threads=a.threads),
+                                               log_dir=log_dir / "step")
             k = cfg["rollout_concurrency"]
-        for c, n in cfg["worker_max_tokens"].items():
-            pool.params[c] = dataclasses.replace(pool.params[c], max_tokens=n)
         scorer = SpecScorer(pool, P, examples, benches, reward=RewardConfig(**cfg["reward"]), caps=caps, cache=NodeCache(),
                             sampler=FamilySampler(floor=cfg["family_floor"]), cf_lambda=cfg["cf_lambda"],
                             families=tuple(cfg["cf_families"]), max_agents=cfg["max_agents"], seed=cfg["seed"],
