@@ -3,6 +3,7 @@ seeds, the same budget, on SIMULATED workers with a known optimum (lemon.testbed
 interrupted one continues from its checkpoint, held-out points already evaluated are kept.
 
     .venv/bin/python bench/testbed_run.py --world two --seeds 0 1 2 --steps 30 --out outputs/testbed/two
+    .venv/bin/python bench/testbed_run.py --world tiny --profile smoke --sft ...   # format SFT into <out>/sft first
     .venv/bin/python bench/testbed_run.py --world tiny --plan      # the optimum per type and the run plan, no training
     .venv/bin/python bench/testbed_run.py --out outputs/testbed/two --report   # rebuild summary.md and plots only
 
@@ -24,6 +25,7 @@ from lemon.prompts import default_prompts  # noqa: E402
 from lemon.testbed.experiment import (ARMS, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,  # noqa: E402
                                       make_world, run_arm, run_caps, train_config, write_experiment)
 from lemon.testbed.plots import write_report  # noqa: E402
+from lemon.testbed.warm import warm_start_adapter  # noqa: E402
 
 
 def _value(v: str):
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--threshold", type=float, default=0.25, help="regret threshold for steps-to-threshold")
     ap.add_argument("--init-adapter", default=None, help="LoRA every run starts from (e.g. an SFT warm start)")
+    ap.add_argument("--sft", action="store_true",
+                    help="build the testbed's format SFT warm start (lemon.testbed.warm) into <out>/sft, start every run from it")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON", help="extra TrainConfig fields, e.g. num_generations=8")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--scoring", choices=SCORINGS, default="exact",
@@ -56,11 +60,14 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="only rebuild summary.md and the plots from the folder")
     a = ap.parse_args(argv)
     overrides = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
+    root = a.out or Path("outputs") / "testbed" / a.world
+    if a.sft and a.init_adapter:
+        ap.error("--sft builds the warm start itself: give --sft or --init-adapter, not both")
+    init_adapter = str(root / "sft") if a.sft else a.init_adapter
     exp = ExperimentConfig(world=a.world, arms=tuple(a.arms), seeds=tuple(a.seeds), profile=a.profile, max_steps=a.steps,
                            train_questions=a.train_questions, heldout_questions=a.heldout, eval_every=a.eval_every,
-                           threshold=a.threshold, init_adapter=a.init_adapter, train_overrides=overrides,
+                           threshold=a.threshold, init_adapter=init_adapter, train_overrides=overrides,
                            scoring=a.scoring)
-    root = a.out or Path("outputs") / "testbed" / a.world
     prompts, world = default_prompts(), make_world(a.world, default_prompts())
     cfg0 = train_config(exp.arms[0], exp.seeds[0], exp, world)
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
@@ -76,6 +83,10 @@ def main(argv=None) -> int:
         if a.plan:
             print(rec["optimum"][-1]["spec"])
             return 0
+        if a.sft:
+            t0 = time.perf_counter()
+            warm_start_adapter(exp, world, prompts, root / "sft")
+            print(f"[testbed] format SFT warm start: {root / 'sft'} ({time.perf_counter() - t0:.0f} s; reused if it was there)")
         for arm in exp.arms:
             for seed in exp.seeds:
                 run_dir, t0 = root / arm / f"seed-{seed}", time.perf_counter()

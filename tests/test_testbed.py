@@ -14,8 +14,10 @@ from lemon.prompts import CAPACITIES, default_prompts
 from lemon.run.executor import ExecutorCaps, NodeCache, build_messages, execute
 from lemon.run.workers import BackendUnavailableError
 from lemon.spec import Agent, Spec, spec_from_dict
-from lemon.testbed.experiment import (ARMS, ExperimentConfig, band, bootstrap_ci, collect, split_examples, step_curves,
-                                      steps_to_threshold, summary_table, train_config, write_experiment, write_run_info)
+from lemon.testbed.experiment import (ARMS, ExperimentConfig, collect, split_examples, train_config, write_experiment,
+                                      write_run_info)
+from lemon.testbed.stats import (band, bootstrap_ci, composition, paired_table, step_curves, steps_to_threshold,
+                                 summary_table)
 from lemon.testbed.plots import write_report
 from lemon.testbed.search import ROLE_OF, check_reward_properties
 from lemon.testbed.sim import (KIND_OF, MAX_TAG_CHARS, MessageReader, Node, SimConfigError, SimProtocolError,
@@ -281,9 +283,22 @@ def test_aggregation_and_report(tmp_path):
     row = b[(b.arm == "cf") & (b.step == 3)].iloc[0]  # seed 0 at 0, seeds 1-2 at r_weak
     assert row["mean"] == pytest.approx(2 * r_weak / 3) and row["lo"] <= row["mean"] <= row["hi"] and row["seeds"] == 3
     assert bootstrap_ci([1.0, 1.0, 1.0]) == (1.0, 1.0) and all(math.isnan(x) for x in bootstrap_ci([]))
+    # paired by seed: cf's final regret (last 2 steps) is 0 in every seed, global's r_weak / 2; edge has no seed 1-2 pair
+    pt = paired_table(curves, None, exp).set_index(["arm", "metric"])
+    row = pt.loc[("cf", "final_regret")]
+    assert row["diff"] == pytest.approx(-r_weak / 2) and row["arm_better"] == "3/3" and row["seeds"] == 3
+    assert pt.loc[("edge", "final_regret"), "seeds"] == 1 and ("cf", "heldout_regret") not in pt.index
+    assert paired_table(curves[curves.arm != "global"], None, exp).empty
+    comp = composition(collect(tmp_path, WORLD)).set_index(["arm", "phase"])
+    best = WORLD.optimum(HARD, R, 4)
+    assert comp.loc[("cf", "last 2 steps"), "agents"] == len(best.spec.agents)
+    assert comp.loc[("cf", "last 2 steps"), "expected_reward"] == pytest.approx(best.expected_reward)
+    assert comp.loc[("global", "first 2 steps"), "agents"] == pytest.approx((len(best.spec.agents) + 2) / 2)
+    e = comp.loc[("edge", "first 1 steps")]  # one valid weak spec (2 agents, a medium solver read by a decider), one invalid
+    assert e["n"] == 2 and e["agents"] == 2 and e["final_large_solver"] == 0 and e["large_share"] == 0
     write_experiment(tmp_path, exp, WORLD, R, 4, ExecutorCaps(max_agents=4), "pytest tests/test_testbed.py")
     md = write_report(tmp_path, exp, WORLD).read_text()
-    assert "SIMULATED" in md and "| cf |" in md and "pytest tests/test_testbed.py" in md
+    assert "SIMULATED" in md and "| cf |" in md and "pytest tests/test_testbed.py" in md and "| cf | global | final_regret" in md
     for png in ("curves.png", "summary.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 10_000
 

@@ -6,8 +6,8 @@ Layout of an experiment folder:  <root>/experiment.json (config, world, optimum 
                                   <root>/<arm>/seed-<s>/ (the trainer's run folder + run.json + heldout.jsonl)
 The one call into the trainer is `run_arm`. Everything after it reads files: the trainer's `rollouts.jsonl` (one row per
 sampled spec: step, example_id, text, valid, reward, family, delta, ...), re-scored here from the TEXT with the world's exact
-expected reward, and `heldout.jsonl` (greedy specs on held-out questions every `eval_every` steps). So the aggregation is
-testable on hand-written files (tests/test_testbed.py).
+expected reward, and `heldout.jsonl` (greedy specs on held-out questions every `eval_every` steps). The statistics over
+those samples live in lemon.testbed.stats, so the aggregation is testable on hand-written files (tests/test_testbed.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-import numpy as np
 import pandas as pd
 
 from lemon.prompts import Prompts
@@ -171,8 +170,23 @@ def score_rows(rows: list[dict], world: SimWorld, run_dir: Path) -> pd.DataFrame
     scores = world.score_texts([r["text"] for r in rows], [r["example_id"] for r in rows], reward, max_agents, caps)
     return pd.DataFrame([{"arm": info["arm"], "seed": info["seed"], "step": int(r["step"]), "example_id": r["example_id"],
                           "type": world.type_of(world.example(r["example_id"])), "valid": s.valid,
-                          "expected_reward": s.expected_reward, "regret": s.regret, "reward": r.get("reward")}
-                         for r, s in zip(rows, scores)])
+                          "expected_reward": s.expected_reward, "regret": s.regret, "reward": r.get("reward"),
+                          **_shape(r, world, max_agents)} for r, s in zip(rows, scores)])
+
+
+def _shape(row: dict, world: SimWorld, max_agents: int) -> dict:
+    """What a spec looks like (for 'what did the policy learn'): agents, share of large agents, the final agent's base role
+    and capacity; NaN / None for an invalid text."""
+    from lemon.benchmarks import get_benchmark
+    from lemon.spec import SpecError, parse_spec
+    domain = get_benchmark(world.example(row["example_id"]).benchmark).domain
+    try:
+        spec = parse_spec(row["text"], base_roles=world.prompts.roles_for(domain), max_agents=max_agents)
+    except SpecError:
+        return {"agents": float("nan"), "large_share": float("nan"), "final_role": None, "final_capacity": None}
+    fin = spec.agent(spec.final)
+    return {"agents": float(len(spec.agents)), "large_share": sum(a.capacity == "large" for a in spec.agents) / len(spec.agents),
+            "final_role": fin.base_role, "final_capacity": fin.capacity}
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -186,64 +200,6 @@ def collect(root: Path, world: SimWorld, which: str = "rollouts") -> pd.DataFram
               for d in run_dirs(root)]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else score_rows([], world, Path(root))
-
-
-def step_curves(samples: pd.DataFrame) -> pd.DataFrame:
-    """Per (arm, seed, step): mean expected reward and regret of the policy's samples, valid rate, n."""
-    g = samples.groupby(["arm", "seed", "step"])
-    return g.agg(expected_reward=("expected_reward", "mean"), regret=("regret", "mean"), valid=("valid", "mean"),
-                 n=("regret", "size")).reset_index()
-
-
-def bootstrap_ci(values, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap CI of the mean (resampling the values, e.g. one per seed). NaN for no values."""
-    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
-    if len(v) == 0:
-        return float("nan"), float("nan")
-    means = np.random.default_rng(seed).choice(v, size=(n_boot, len(v)), replace=True).mean(axis=1)
-    a = (1 - level) / 2
-    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
-
-
-def band(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Per (arm, step): mean over seeds of `metric` and its bootstrap band (seeds resampled), and the seed count."""
-    out = []
-    for (arm, step), g in curves.groupby(["arm", "step"]):
-        lo, hi = bootstrap_ci(g[metric].tolist())
-        out.append({"arm": arm, "step": step, "mean": g[metric].mean(), "lo": lo, "hi": hi, "seeds": len(g)})
-    return pd.DataFrame(out, columns=["arm", "step", "mean", "lo", "hi", "seeds"])
-
-
-def steps_to_threshold(curve: pd.DataFrame, threshold: float, smooth: int) -> int | None:
-    """First step at which the running mean (window `smooth`, trailing) of one run's regret is <= threshold; None if never."""
-    c = curve.sort_values("step")
-    run = c["regret"].rolling(smooth, min_periods=smooth).mean()
-    hit = c["step"][run <= threshold]
-    return int(hit.iloc[0]) if len(hit) else None
-
-
-def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per arm: final regret (mean of the last final_window steps, per seed) and steps to threshold, each with a bootstrap
-    CI over seeds; how many seeds reached the threshold; the last held-out greedy regret when evaluated."""
-    rows = []
-    for arm in [a for a in exp.arms if a in set(curves["arm"])]:
-        finals, steps = [], []
-        for seed, c in curves[curves["arm"] == arm].groupby("seed"):
-            last = c.sort_values("step").tail(exp.final_window)
-            finals.append(last["regret"].mean())
-            steps.append(steps_to_threshold(c, exp.threshold, exp.smooth))
-        reached = [s for s in steps if s is not None]
-        row = {"arm": arm, "seeds": len(finals), "final_regret": float(np.mean(finals)),
-               "final_regret_ci": bootstrap_ci(finals), "reached": f"{len(reached)}/{len(steps)}",
-               "steps_to_threshold": float(np.mean(reached)) if reached else float("nan"),
-               "steps_ci": bootstrap_ci(reached)}
-        if heldout is not None and len(heldout) and arm in set(heldout["arm"]):
-            h = step_curves(heldout[heldout["arm"] == arm])
-            last = h[h["step"] == h["step"].max()]
-            row["heldout_step"], row["heldout_regret"] = int(last["step"].iloc[0]), float(last["regret"].mean())
-            row["heldout_ci"] = bootstrap_ci(last["regret"].tolist())
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 # ---- held-out greedy evaluation and the experiment record -------------------------------------------------------------

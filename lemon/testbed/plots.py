@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from lemon.study.plots import md_table, save
-from lemon.testbed.experiment import ExperimentConfig, band, collect, step_curves, summary_table
+from lemon.testbed.experiment import ExperimentConfig, collect
+from lemon.testbed.stats import band, composition, paired_table, step_curves, summary_table
 from lemon.testbed.world import SimWorld
 
 METRICS = {"expected_reward": "expected reward of sampled specs", "regret": "regret to the optimum (sampled specs)"}
@@ -91,10 +92,13 @@ def write_report(root: Path, exp: ExperimentConfig, world: SimWorld) -> Path:
     save(curves_figure(panels, arms, note), root / "plots" / "curves.png")
     table = summary_table(curves, exp, heldout if not heldout.empty else None)
     save(summary_figure(table, exp.threshold), root / "plots" / "summary.png")
+    paired = paired_table(curves, heldout if not heldout.empty else None, exp)
     (root / "summary.json").write_text(json.dumps(table.to_dict(orient="records"), indent=1, default=str))
-    shown = table.copy()
-    for c in [c for c in shown.columns if c.endswith("_ci")]:
-        shown[c] = shown[c].map(_fmt_ci)
+    (root / "paired.json").write_text(json.dumps(paired.to_dict(orient="records"), indent=1, default=str))
+    shown, paired_shown = table.copy(), paired.copy()
+    for frame in (shown, paired_shown):
+        for c in [c for c in frame.columns if c.endswith("_ci")]:
+            frame[c] = frame[c].map(_fmt_ci)
     opt = pd.DataFrame([{k: v for k, v in o.items() if k != "spec"} for o in rec.get("optimum", [])])
     md = [f"# Testbed comparison ({exp.world} world, SIMULATED workers)", "",
           f"Arms {', '.join(arms)}; seeds {list(exp.seeds)}; {exp.max_steps} steps each; profile `{exp.profile}`; "
@@ -105,7 +109,16 @@ def write_report(root: Path, exp: ExperimentConfig, world: SimWorld) -> Path:
           f"steps; steps to threshold = first step whose {exp.smooth}-step running mean regret is <= {exp.threshold:g}; CIs "
           "are 95% bootstrap over seeds (with 3 seeds, crude).", "",
           f"Regenerate: `{rec.get('command', 'bench/testbed_run.py')}`", "", "## Optimum per task type", "", md_table(opt), "",
-          "## Results", "", md_table(shown), "", "![curves](plots/curves.png)", "", "![summary](plots/summary.png)", ""]
+          "## Results", "", md_table(shown), "",
+          "## Paired by seed: each arm minus global GRPO", "",
+          "diff < 0 favours the arm for regrets, diff > 0 for the held-out gain (greedy expected reward at the last "
+          "evaluated step minus step 0); `arm_better` counts the seeds that favour it.", "",
+          md_table(paired_shown) if len(paired_shown) else "(global GRPO not run: no paired comparison)", "",
+          "## What the sampled specs look like, first vs last steps (pooled over seeds)", "",
+          "`large_share` = share of agents at capacity large; `final_large_solver` = share of specs whose final agent is a "
+          "large solver; `distinct_shapes` = distinct (agents, final role, final capacity) per valid spec.", "",
+          md_table(composition(samples)), "",
+          "![curves](plots/curves.png)", "", "![summary](plots/summary.png)", ""]
     p = root / "summary.md"
     p.write_text("\n".join(md) + "\n")
     return p

@@ -67,7 +67,9 @@ class TrainConfig:
     temperature: float = 1.0
     """Sampling temperature of the orchestrator's rollouts."""
     max_completion_length: int = 320
-    """Max spec tokens per rollout (size_budgets()['completion'] holds the longest allowed spec)."""
+    """Max spec tokens per rollout. size_budgets()['completion'] holds max_agents canonical agents at ~90 Qwen2.5 tokens
+    each, not the grammar's worst case: 200 free duty characters can take ~200 tokens (the 135M's gibberish duties hit the
+    cap in 7 of 480 testbed samples, which then score as invalid; LOG.md 2026-12-02)."""
     max_agents: int = 4
     """Most agents a spec may have (told to the model, enforced by the parser and the grammar)."""
     constrained: bool = True

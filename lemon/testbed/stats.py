@@ -1,0 +1,123 @@
+"""Statistics of a testbed comparison (lemon.testbed.experiment), computed from scored samples (experiment.collect): per-step
+curves, bootstrap bands and CIs over seeds, steps to a regret threshold, final regret, the paired-by-seed comparison against
+global GRPO, and what the sampled specs look like. Pure functions of DataFrames: tested on hand-written run folders."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+if TYPE_CHECKING:
+    from lemon.testbed.experiment import ExperimentConfig
+
+
+def step_curves(samples: pd.DataFrame) -> pd.DataFrame:
+    """Per (arm, seed, step): mean expected reward and regret of the policy's samples, valid rate, n."""
+    g = samples.groupby(["arm", "seed", "step"])
+    return g.agg(expected_reward=("expected_reward", "mean"), regret=("regret", "mean"), valid=("valid", "mean"),
+                 n=("regret", "size")).reset_index()
+
+
+def bootstrap_ci(values, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean (resampling the values, e.g. one per seed). NaN for no values."""
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    means = np.random.default_rng(seed).choice(v, size=(n_boot, len(v)), replace=True).mean(axis=1)
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def band(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Per (arm, step): mean over seeds of `metric` and its bootstrap band (seeds resampled), and the seed count."""
+    out = []
+    for (arm, step), g in curves.groupby(["arm", "step"]):
+        lo, hi = bootstrap_ci(g[metric].tolist())
+        out.append({"arm": arm, "step": step, "mean": g[metric].mean(), "lo": lo, "hi": hi, "seeds": len(g)})
+    return pd.DataFrame(out, columns=["arm", "step", "mean", "lo", "hi", "seeds"])
+
+
+def steps_to_threshold(curve: pd.DataFrame, threshold: float, smooth: int) -> int | None:
+    """First step at which the running mean (window `smooth`, trailing) of one run's regret is <= threshold; None if never."""
+    c = curve.sort_values("step")
+    run = c["regret"].rolling(smooth, min_periods=smooth).mean()
+    hit = c["step"][run <= threshold]
+    return int(hit.iloc[0]) if len(hit) else None
+
+
+def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per arm: final regret (mean of the last final_window steps, per seed) and steps to threshold, each with a bootstrap
+    CI over seeds; how many seeds reached the threshold; the last held-out greedy regret when evaluated."""
+    rows = []
+    for arm in [a for a in exp.arms if a in set(curves["arm"])]:
+        finals, steps = [], []
+        for seed, c in curves[curves["arm"] == arm].groupby("seed"):
+            last = c.sort_values("step").tail(exp.final_window)
+            finals.append(last["regret"].mean())
+            steps.append(steps_to_threshold(c, exp.threshold, exp.smooth))
+        reached = [s for s in steps if s is not None]
+        row = {"arm": arm, "seeds": len(finals), "final_regret": float(np.mean(finals)),
+               "final_regret_ci": bootstrap_ci(finals), "reached": f"{len(reached)}/{len(steps)}",
+               "steps_to_threshold": float(np.mean(reached)) if reached else float("nan"),
+               "steps_ci": bootstrap_ci(reached)}
+        if heldout is not None and len(heldout) and arm in set(heldout["arm"]):
+            h = step_curves(heldout[heldout["arm"] == arm])
+            last = h[h["step"] == h["step"].max()]
+            row["heldout_step"], row["heldout_regret"] = int(last["step"].iloc[0]), float(last["regret"].mean())
+            row["heldout_ci"] = bootstrap_ci(last["regret"].tolist())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _per_seed(curves: pd.DataFrame, heldout: pd.DataFrame | None, arm: str, exp: ExperimentConfig) -> dict:
+    """{metric: {seed: value}} of one arm: final regret of its samples, and held-out greedy regret and gain (expected reward
+    at the last evaluated step minus step 0)."""
+    c = curves[curves["arm"] == arm]
+    out = {"final_regret": {s: g.sort_values("step").tail(exp.final_window)["regret"].mean() for s, g in c.groupby("seed")},
+           "heldout_regret": {}, "heldout_gain": {}}
+    if heldout is not None and len(heldout):
+        for s, g in heldout[heldout["arm"] == arm].groupby("seed"):
+            last = g[g["step"] == g["step"].max()]
+            out["heldout_regret"][s] = last["regret"].mean()
+            if (g["step"] == 0).any() and g["step"].max() > 0:
+                out["heldout_gain"][s] = last["expected_reward"].mean() - g[g["step"] == 0]["expected_reward"].mean()
+    return out
+
+
+def paired_table(curves: pd.DataFrame, heldout: pd.DataFrame | None, exp: ExperimentConfig,
+                 base: str = "global") -> pd.DataFrame:
+    """Each arm minus `base`, paired by seed (a seed fixes the questions, the first step's samples and the edit RNG, so
+    the seeds are the units): mean difference, its bootstrap CI over seeds, and in how many seeds the arm did better
+    (lower regret, higher gain). Only seeds both arms finished count; empty when `base` was not run."""
+    cols = ["arm", "vs", "metric", "seeds", "diff", "diff_ci", "arm_better"]
+    if base not in set(curves["arm"]):
+        return pd.DataFrame(columns=cols)
+    ref, rows = _per_seed(curves, heldout, base, exp), []
+    for arm in [a for a in exp.arms if a != base and a in set(curves["arm"])]:
+        mine = _per_seed(curves, heldout, arm, exp)
+        for metric, higher_better in (("final_regret", False), ("heldout_regret", False), ("heldout_gain", True)):
+            seeds = sorted(set(mine[metric]) & set(ref[metric]))
+            if not seeds:
+                continue
+            d = [mine[metric][s] - ref[metric][s] for s in seeds]
+            better = sum((x > 0) if higher_better else (x < 0) for x in d)
+            rows.append({"arm": arm, "vs": base, "metric": metric, "seeds": len(seeds), "diff": float(np.mean(d)),
+                         "diff_ci": bootstrap_ci(d), "arm_better": f"{better}/{len(d)}"})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def composition(samples: pd.DataFrame, steps: int = 2) -> pd.DataFrame:
+    """Per arm, the policy's samples of its first and of its last `steps` steps (pooled over seeds): mean agents per spec,
+    share of large agents, share of specs whose final agent is a large solver, share of distinct spec shapes."""
+    out = []
+    for arm, g in samples.groupby("arm", sort=False):
+        lo, hi = sorted(g["step"].unique())[:steps], sorted(g["step"].unique())[-steps:]
+        for phase, part in (("first", g[g["step"].isin(lo)]), ("last", g[g["step"].isin(hi)])):
+            v = part[part["valid"]]
+            shapes = set(zip(v["agents"], v["final_role"], v["final_capacity"]))
+            out.append({"arm": arm, "phase": f"{phase} {len(lo if phase == 'first' else hi)} steps", "n": len(part),
+                        "agents": v["agents"].mean(), "large_share": v["large_share"].mean(),
+                        "final_large_solver": ((v["final_role"] == "solver") & (v["final_capacity"] == "large")).mean(),
+                        "distinct_shapes": len(shapes) / max(len(v), 1), "expected_reward": part["expected_reward"].mean()})
+    return pd.DataFrame(out)
