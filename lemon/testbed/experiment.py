@@ -171,18 +171,13 @@ def score_rows(rows: list[dict], world: SimWorld, run_dir: Path) -> pd.DataFrame
     return pd.DataFrame([{"arm": info["arm"], "seed": info["seed"], "step": int(r["step"]), "example_id": r["example_id"],
                           "type": world.type_of(world.example(r["example_id"])), "valid": s.valid,
                           "expected_reward": s.expected_reward, "regret": s.regret, "reward": r.get("reward"),
-                          **_shape(r, world, max_agents)} for r, s in zip(rows, scores)])
+                          **_shape(s.spec)} for r, s in zip(rows, scores)])
 
 
-def _shape(row: dict, world: SimWorld, max_agents: int) -> dict:
+def _shape(spec) -> dict:
     """What a spec looks like (for 'what did the policy learn'): agents, share of large agents, the final agent's base role
-    and capacity; NaN / None for an invalid text."""
-    from lemon.benchmarks import get_benchmark
-    from lemon.spec import SpecError, parse_spec
-    domain = get_benchmark(world.example(row["example_id"]).benchmark).domain
-    try:
-        spec = parse_spec(row["text"], base_roles=world.prompts.roles_for(domain), max_agents=max_agents)
-    except SpecError:
+    and capacity; NaN / None for an invalid text (spec None: TextScore.spec as world.score_texts parsed it)."""
+    if spec is None:
         return {"agents": float("nan"), "large_share": float("nan"), "final_role": None, "final_capacity": None}
     fin = spec.agent(spec.final)
     return {"agents": float(len(spec.agents)), "large_share": sum(a.capacity == "large" for a in spec.agents) / len(spec.agents),

@@ -51,11 +51,8 @@ def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataF
     CI over seeds; how many seeds reached the threshold; the last held-out greedy regret when evaluated."""
     rows = []
     for arm in [a for a in exp.arms if a in set(curves["arm"])]:
-        finals, steps = [], []
-        for seed, c in curves[curves["arm"] == arm].groupby("seed"):
-            last = c.sort_values("step").tail(exp.final_window)
-            finals.append(last["regret"].mean())
-            steps.append(steps_to_threshold(c, exp.threshold, exp.smooth))
+        finals = list(_final_regrets(curves, arm, exp).values())
+        steps = [steps_to_threshold(c, exp.threshold, exp.smooth) for _, c in curves[curves["arm"] == arm].groupby("seed")]
         reached = [s for s in steps if s is not None]
         row = {"arm": arm, "seeds": len(finals), "final_regret": float(np.mean(finals)),
                "final_regret_ci": bootstrap_ci(finals), "reached": f"{len(reached)}/{len(steps)}",
@@ -70,12 +67,16 @@ def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataF
     return pd.DataFrame(rows)
 
 
+def _final_regrets(curves: pd.DataFrame, arm: str, exp: ExperimentConfig) -> dict:
+    """{seed: mean regret of the arm's samples over its last exp.final_window steps}."""
+    c = curves[curves["arm"] == arm]
+    return {s: g.sort_values("step").tail(exp.final_window)["regret"].mean() for s, g in c.groupby("seed")}
+
+
 def _per_seed(curves: pd.DataFrame, heldout: pd.DataFrame | None, arm: str, exp: ExperimentConfig) -> dict:
     """{metric: {seed: value}} of one arm: final regret of its samples, and held-out greedy regret and gain (expected reward
     at the last evaluated step minus step 0)."""
-    c = curves[curves["arm"] == arm]
-    out = {"final_regret": {s: g.sort_values("step").tail(exp.final_window)["regret"].mean() for s, g in c.groupby("seed")},
-           "heldout_regret": {}, "heldout_gain": {}}
+    out = {"final_regret": _final_regrets(curves, arm, exp), "heldout_regret": {}, "heldout_gain": {}}
     if heldout is not None and len(heldout):
         for s, g in heldout[heldout["arm"] == arm].groupby("seed"):
             last = g[g["step"] == g["step"].max()]

@@ -60,6 +60,7 @@ class TextScore:
     expected_reward: float
     regret: float
     error: str | None = None
+    spec: Spec | None = None  # the parsed spec when valid (callers describing it need not parse the text again)
 
 
 class SimWorld:
@@ -209,7 +210,7 @@ class SimWorld:
             r = compute_reward(None, 0.0, 0, reward_cfg).total
             return TextScore(False, r, best - r, e.code)
         r = self.expected_reward(spec, example, reward_cfg, caps)
-        return TextScore(True, r, best - r)
+        return TextScore(True, r, best - r, spec=spec)
 
     def regret(self, text: str, example: B.Example, reward_cfg: RewardConfig, max_agents: int,
                caps: ExecutorCaps = ExecutorCaps()) -> float:
