@@ -303,6 +303,22 @@ def test_aggregation_and_report(tmp_path):
         assert (tmp_path / "plots" / png).stat().st_size > 10_000
 
 
+def test_experiment_record_merges_invocations_of_one_config_and_refuses_another(tmp_path):
+    """One folder filled arm by arm (bench/testbed_chain.sh): experiment.json keeps one record whose arms and seeds are the
+    union and whose commands are all kept, in order; a different budget in the same folder is refused by name."""
+    caps = ExecutorCaps(max_agents=4)
+    base = ExperimentConfig(world="two", arms=("cf", "global"), seeds=(0, 1), max_steps=3)
+    write_experiment(tmp_path, base, WORLD, R, 4, caps, "cmd one")
+    rec = write_experiment(tmp_path, ExperimentConfig(world="two", arms=("edge", "cf"), seeds=(2,), max_steps=3), WORLD, R, 4,
+                           caps, "cmd two")
+    assert rec["config"]["arms"] == ["cf", "global", "edge"] and rec["config"]["seeds"] == [0, 1, 2]
+    assert rec["commands"] == ["cmd one", "cmd two"] and rec["command"] == "cmd two"
+    assert json.loads((tmp_path / "experiment.json").read_text()) == rec
+    with pytest.raises(ValueError, match=r"max_steps"):
+        write_experiment(tmp_path, ExperimentConfig(world="two", arms=("role",), max_steps=4), WORLD, R, 4, caps, "cmd three")
+    assert json.loads((tmp_path / "experiment.json").read_text()) == rec  # the refused call wrote nothing
+
+
 # ---- exact scoring (lemon.testbed.exact) ---------------------------------------------------------------------------------
 def test_exact_scorer_rewards_and_deltas_are_the_worlds_expected_values():
     """The trainer's scorer with exact scoring: every rollout's reward is the world's expected reward of its spec (no worker

@@ -83,6 +83,9 @@ class StudyConfig:
     """Eval questions per ablation benchmark (a prefix of the eval sample)."""
     gallery: int = 4
     """Generated specs drawn in notebook 04."""
+    policy_server: bool = False
+    """Trained policies write their evaluation specs on llama-server (lemon.run.served_policy: the same F32 weights and
+    llguidance greedy, token for token the transformers specs; ~9x faster for the 0.5B, bench/served_policy_bench.py)."""
 
     def __post_init__(self):
         if self.profile not in PROFILES or self.train.profile != self.profile:
@@ -109,6 +112,9 @@ class StudyConfig:
             raise ValueError(f"capacities {self.baseline_capacity!r} / {self.orchestrator_capacity!r}; valid: {', '.join(CAPACITIES)}")
         EvalConfig("tree", "gsm8k", capacity=self.baseline_capacity, n_agents=self.n_agents, k=self.sc_k)  # same checks as eval
         OrchestratorConfig(capacity=self.orchestrator_capacity, max_tokens=self.orchestrator_max_tokens)
+        if self.policy_server and self.train.policy.model not in SHIPPED:
+            raise ValueError(f"policy_server=True serves a shipped GGUF policy; {self.train.policy.model!r} is not one "
+                             f"({', '.join(SHIPPED)}): set policy_server=False (transformers writes the specs)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +139,8 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # Embedded default on 2 cores. MEASURED (2026-11-30, llama.cpp on both cores, LOG.md; summed over resumes): 01 7 s;
         # 02 ~39 min (SFT corpus on 8 questions 13.4 min, valid-rate probes 2 x 2.3 min, SFT 3 steps ~2 min, 4 CF-GRPO steps
         # 215-333 s each); 03 ~25 min; 04 ~57 min (9 methods x 6 benchmarks x 2 questions). About 2 h in all.
-        cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed)
+        # policy_server (added 2026-12-02, after the timings above): trained policies' eval specs on llama-server, ~9x faster
+        cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed, policy_server=True)
     elif profile == "paper":  # one GPU + vLLM workers: full eval pools, Table-2 ablation at 300 steps on 200 MMLU / GSM8K questions
         cfg = StudyConfig("paper", train, sft, seed=seed, eval_n=None, n_agents=4, sc_k=5, orchestrator_max_tokens=1024,
                           edit_n=20, edit_specs=2, edit_sites=2,

@@ -166,23 +166,36 @@ def orch_config(cfg: StudyConfig) -> OrchestratorConfig:
 
 
 class LazyPolicyWriter:
-    """The trained orchestrator (PolicySpecWriter on base model + adapter), loaded on its first spec: a resumed eval whose
-    rows all exist never loads the model."""
+    """The trained orchestrator (base model + adapter), loaded on its first spec: a resumed eval whose rows all exist never
+    loads the model. cfg.policy_server: a llama-server writes the specs (lemon.eval.served; its name gets '@served'),
+    else transformers (PolicySpecWriter)."""
 
     def __init__(self, cfg: StudyConfig, adapter: Path, name: str):
-        self.cfg, self.adapter, self.name, self._w = cfg, Path(adapter), name, None
+        self.served = cfg.policy_server
+        self.cfg, self.adapter, self.name, self._w, self._server = cfg, Path(adapter), name + ("@served" if self.served else ""), None, None
 
     def propose(self, *a, **kw):
         if self._w is None:
-            from lemon.train.policy import load_policy
-            model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
-            model.eval()
             orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
-            self._w = PolicySpecWriter(model, tok, orch, self.name)
+            if self.served:
+                from transformers import AutoTokenizer
+                from lemon.eval.served import ServedPolicySpecWriter
+                from lemon.run.served_policy import ServedPolicy
+                self._server = ServedPolicy(self.cfg.train.policy.model, self.adapter)
+                from lemon.train.policy import converted_dir  # the tokenizer load_policy uses
+                tok = AutoTokenizer.from_pretrained(str(converted_dir(self.cfg.train.policy.model)))
+                self._w = ServedPolicySpecWriter(self._server, tok, orch)
+            else:
+                from lemon.train.policy import load_policy
+                model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
+                model.eval()
+                self._w = PolicySpecWriter(model, tok, orch, self.name)
         return self._w.propose(*a, **kw)
 
     def close(self) -> None:
-        self._w = None
+        if self._server is not None:
+            self._server.close()
+        self._w, self._server = None, None
         gc.collect()
 
 

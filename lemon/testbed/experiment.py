@@ -265,8 +265,25 @@ def optimum_rows(world: SimWorld, reward: RewardConfig, max_agents: int, caps: E
 
 def write_experiment(root: Path, exp: ExperimentConfig, world: SimWorld, reward: RewardConfig, max_agents: int,
                      caps: ExecutorCaps, command: str) -> dict:
+    """Write <root>/experiment.json. A folder filled by several invocations (one per arm or seed, so a crash loses one run)
+    keeps ONE record: arms and seeds are merged and every command is kept in `commands`, provided everything else (world,
+    budget, init adapter, overrides, reward, optimum) is identical; otherwise ValueError, since runs of different configs
+    in one folder would be compared as if they were one experiment."""
     rec = {"config": {**asdict(exp), "train_overrides": dict(exp.train_overrides)}, "world": world.describe(),
            "optimum": optimum_rows(world, reward, max_agents, caps), "reward": asdict(reward), "command": command}
+    rec = json.loads(json.dumps(rec))  # tuples -> lists, as they read back
+    path = Path(root) / "experiment.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        mine = {k: v for k, v in rec["config"].items() if k not in ("arms", "seeds")}
+        theirs = {k: v for k, v in old["config"].items() if k not in ("arms", "seeds")}
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        diff += [k for k in ("world", "optimum", "reward") if old.get(k) != rec[k]]
+        if diff:
+            raise ValueError(f"{path} records another experiment (differs in {diff}): use a new --out folder")
+        rec["config"]["arms"] = old["config"]["arms"] + [a for a in rec["config"]["arms"] if a not in old["config"]["arms"]]
+        rec["config"]["seeds"] = sorted(set(old["config"]["seeds"]) | set(rec["config"]["seeds"]))
+        rec["commands"] = old.get("commands", [old["command"]]) + [command]
     Path(root).mkdir(parents=True, exist_ok=True)
-    (Path(root) / "experiment.json").write_text(json.dumps(rec, indent=1))
+    path.write_text(json.dumps(rec, indent=1))
     return rec
