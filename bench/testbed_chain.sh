@@ -17,7 +17,7 @@ for seed in $SEEDS; do
     "$PY" bench/testbed_run.py --out "$OUT" --arms "$arm" --seeds "$seed" "$@"
   done
 done
-read -r -a ALL <<<"$("$PY" -c 'import json,sys; print(" ".join(json.load(open(sys.argv[1]))["config"]["arms"]))' "$OUT/experiment.json")"
-read -r -a ALL_SEEDS <<<"$("$PY" -c 'import json,sys; print(" ".join(map(str, json.load(open(sys.argv[1]))["config"]["seeds"])))' "$OUT/experiment.json")"
+{ read -r -a ALL; read -r -a ALL_SEEDS; } < <("$PY" -c 'import json, sys; c = json.load(open(sys.argv[1]))["config"]
+print(*c["arms"]); print(*c["seeds"])' "$OUT/experiment.json")
 echo "[chain] $(date -u +%FT%TZ) report over arms ${ALL[*]} seeds ${ALL_SEEDS[*]}"
 "$PY" bench/testbed_run.py --out "$OUT" --report --arms "${ALL[@]}" --seeds "${ALL_SEEDS[@]}" "$@"

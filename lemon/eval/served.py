@@ -11,18 +11,17 @@ from lemon.spec.grammar import GrammarCache, SpecGrammar
 
 
 def policy_eos_ids(base_model: str, tokenizer) -> set[int]:
-    """The ids transformers' generate() stops on for this policy (its generation_config, else the tokenizer's EOS), as
-    lemon.train.rollout._eos_ids reads them from the loaded model."""
+    """The ids transformers' generate() stops on for this policy: lemon.train.rollout's rule on the generation_config
+    saved beside the policy's weights (none saved: the tokenizer's EOS)."""
     from transformers import GenerationConfig
     from lemon.run.models import SHIPPED
     from lemon.train.policy import converted_dir
-    eos = None
+    from lemon.train.rollout import eos_ids_of
     try:
-        eos = GenerationConfig.from_pretrained(str(converted_dir(base_model) if base_model in SHIPPED else base_model)).eos_token_id
+        gen = GenerationConfig.from_pretrained(str(converted_dir(base_model) if base_model in SHIPPED else base_model))
     except OSError:
-        pass
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        gen = None
+    return set(eos_ids_of(gen, tokenizer))
 
 
 class ServedPolicySpecWriter:
@@ -52,12 +51,12 @@ class ServedPolicySpecWriter:
             toks, finished = self.served.greedy_constrained(ids, m, max_tokens=self.cfg.max_tokens, eos_ids=self.eos,
                                                             n_vocab=self.n_vocab)
             text = self.tok.decode(list(toks), skip_special_tokens=True)  # exactly how sample_specs decodes Sample.text
-            toks += (min(self.eos),) if finished else ()  # metered like Sample.n_tokens: the EOS generated counts
         else:
             c = self.served.complete(ids, max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature, seed=seed)
-            toks, text = c.token_ids, c.text
+            toks, text, finished = c.token_ids, c.text, c.finished
+        n_out = len(toks) + int(finished)  # metered like Sample.n_tokens: the EOS generated counts
         try:
             spec = parse_spec(text, base_roles=prompts.roles_for(domain), max_agents=self.cfg.max_agents)
-            return SpecProposal(text, spec, None, None, len(ids), len(toks))
+            return SpecProposal(text, spec, None, None, len(ids), n_out)
         except SpecError as e:
-            return SpecProposal(text, None, str(e), e.code, len(ids), len(toks))
+            return SpecProposal(text, None, str(e), e.code, len(ids), n_out)

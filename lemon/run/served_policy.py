@@ -61,21 +61,16 @@ def adapter_to_gguf(adapter: str | Path, base_model: str, *, out: str | Path | N
     target = Path(out) if out else adapter / f"lora-{_digest(adapter)}.gguf"
     if target.is_file():
         return target
-    return _convert("convert_lora_to_gguf.py", ["--base", str(converted_dir(base_model)), "--outtype", "f32", str(adapter)],
-                    target, timeout_s)
-
-
-def _convert(script: str, args: list[str], target: Path, timeout_s: float) -> Path:
-    """Run one of llama.cpp's converters into target (atomically: a half-written GGUF is never reused)."""
     src = llama_source()
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(src)]), "NO_LOCAL_GGUF": ""}
-    r = subprocess.run([sys.executable, str(src / script), *args, "--outfile", str(tmp)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(src / "convert_lora_to_gguf.py"), "--base", str(converted_dir(base_model)),
+                        "--outtype", "f32", "--outfile", str(tmp), str(adapter)], capture_output=True, text=True,
                        timeout=timeout_s, env=env)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        raise AdapterConversionError(f"{script} exited {r.returncode} ({' '.join(args)}):\n{r.stderr[-3000:]}")
-    os.replace(tmp, target)
+        raise AdapterConversionError(f"convert_lora_to_gguf.py exited {r.returncode} for {adapter}:\n{r.stderr[-3000:]}")
+    os.replace(tmp, target)  # atomic: a half-written GGUF is never reused
     return target
 
 
@@ -131,14 +126,12 @@ class ServedCompletion:
     text: str
     """The completion text."""
     finished: bool
-    """Stopped by EOS (under a grammar: the spec was complete); False when max_tokens cut it."""
-    prompt_tokens: int
-    """Prompt length in tokens."""
+    """Stopped by EOS; False when max_tokens cut it."""
 
 
 class ServedPolicy:
-    """One llama-server running the policy (base GGUF + optional LoRA GGUF). Use as a context manager; `complete` sends
-    token-id prompts to /completion. Greedy at temperature 0 (llama.cpp's greedy sampler)."""
+    """One llama-server running the policy (base GGUF + optional LoRA GGUF). Use as a context manager.
+    `greedy_constrained`: greedy under the spec grammar's llguidance matcher; `complete`: free decoding (no grammar)."""
 
     def __init__(self, base_model: str, adapter: str | Path | None = None, *, weights: str = "f32", slots: int = 1,
                  ctx_per_slot: int = 4096, log_dir: str | Path | None = None, binary: str | Path | None = None,
@@ -164,8 +157,7 @@ class ServedPolicy:
                           "temperature": float(temperature), "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
                           "repeat_penalty": 1.0, "seed": int(seed), "return_tokens": True, "cache_prompt": True,
                           "stream": False})
-        return ServedCompletion(tuple(out.get("tokens") or ()), out["content"], out.get("stop_type") == "eos",
-                                int(out.get("tokens_evaluated") or len(prompt_ids)))
+        return ServedCompletion(tuple(out.get("tokens") or ()), out["content"], out.get("stop_type") == "eos")
 
     def n_vocab(self) -> int:
         """The model's vocabulary (logits) width, as llama-server reports it."""
@@ -197,15 +189,18 @@ class ServedPolicy:
         out: list[int] = []
         finished = False
         while len(out) < max_tokens:
-            ff = [int(t) for t in matcher.compute_ff_tokens()]
-            if not ff:
-                mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)  # (ceil(V/32),) one bit per token
-                allowed_ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))  # (n_allowed,)
-                allowed = set(allowed_ids.tolist())
-                if len(allowed_ids) == 1:
-                    ff = [int(allowed_ids[0])]
-            if ff:
-                pick = ff[0]
+            ff = [int(t) for t in matcher.compute_ff_tokens()][:max_tokens - len(out)]
+            if ff:  # a forced run (never EOS): take it whole, no model call
+                for t in ff:
+                    if not matcher.consume_token(t):
+                        raise ServerError(f"served policy: forced token {t} refused by the grammar ({matcher.get_error()})")
+                out += ff
+                continue
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)  # (ceil(V/32),) one bit per token
+            allowed_ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))  # (n_allowed,)
+            allowed = set(allowed_ids.tolist())
+            if len(allowed_ids) == 1:  # one choice (e.g. EOS once the spec is complete)
+                pick = int(allowed_ids[0])
             else:
                 body = {"prompt": list(prompt_ids) + out, "n_predict": 1, "temperature": 0.0, "n_probs": top_n,
                         "top_k": 0, "min_p": 0.0, "cache_prompt": True, "stream": False, "return_tokens": True}

@@ -171,19 +171,20 @@ class LazyPolicyWriter:
     else transformers (PolicySpecWriter)."""
 
     def __init__(self, cfg: StudyConfig, adapter: Path, name: str):
-        self.served = cfg.policy_server
-        self.cfg, self.adapter, self.name, self._w, self._server = cfg, Path(adapter), name + ("@served" if self.served else ""), None, None
+        self.cfg, self.adapter, self._w, self._server = cfg, Path(adapter), None, None
+        self.name = name + ("@served" if cfg.policy_server else "")
 
     def propose(self, *a, **kw):
         if self._w is None:
             orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
-            if self.served:
+            if self.cfg.policy_server:
                 from transformers import AutoTokenizer
                 from lemon.eval.served import ServedPolicySpecWriter
                 from lemon.run.served_policy import ServedPolicy
-                self._server = ServedPolicy(self.cfg.train.policy.model, self.adapter)
-                from lemon.train.policy import converted_dir  # the tokenizer load_policy uses
-                tok = AutoTokenizer.from_pretrained(str(converted_dir(self.cfg.train.policy.model)))
+                from lemon.train.policy import converted_dir
+                model = self.cfg.train.policy.model
+                self._server = ServedPolicy(model, self.adapter)
+                tok = AutoTokenizer.from_pretrained(str(converted_dir(model)))  # the tokenizer load_policy uses
                 self._w = ServedPolicySpecWriter(self._server, tok, orch)
             else:
                 from lemon.train.policy import load_policy

@@ -60,7 +60,12 @@ class GrammarConstraint:
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return eos_ids_of(getattr(model, "generation_config", None), tokenizer)
+
+
+def eos_ids_of(generation_config, tokenizer) -> list[int]:
+    """The ids generate() stops on: the generation config's eos_token_id (an int or a list), else the tokenizer's EOS."""
+    eos = getattr(generation_config, "eos_token_id", None)
     eos = tokenizer.eos_token_id if eos is None else eos
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
