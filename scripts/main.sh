@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole study in one command: notebooks 01 -> 04 executed with papermill into outputs/<profile>-<timestamp>/.
-#   scripts/main.sh --profile smoke|cpu|paper [--out DIR | --resume] [--seed N] [--quiet]
+#   scripts/main.sh --profile smoke|cpu|cpu-long|cpu-wide|paper [--out DIR | --resume] [--seed N] [--quiet]
 # An existing --out DIR (or --resume: the newest outputs/<profile>-*) is resumed: finished notebooks are skipped, training
-# resumes from checkpoints, evaluation from results.jsonl. Default profile: cpu (the embedded models on 2 cores, ~2 h).
+# resumes from checkpoints, evaluation from results.jsonl. Default profile: cpu (does CF-GRPO training help with the embedded
+# models? 60 paired math questions, ~2 h estimated on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec .venv/bin/python -m lemon.study "$@"

@@ -67,7 +67,7 @@ def test_smoke_study_end_to_end(tmp_path_factory):
     he = read_rows(out / "eval" / "cot" / "humaneval" / "results.jsonl")
     assert all(r["split"] == "test" and r["id"].startswith("HumanEval/") for r in he)
     md = (out / "summary.md").read_text()
-    for needle in ("## Data pools", "## Training", "## Main results", "| method | gsm8k (test, n=2) |",
+    for needle in ("## Does training help?", "## Data pools", "## Training", "## Main results", "| method | gsm8k (test, n=2) |",
                    "## Ablation", "| variant |", "## Edit effects", "smollm2-135m", f"seed {cfg.seed}", "n = 2"):
         assert needle in md, needle
     assert (out / "train" / "grpo" / "adapter" / "adapter_config.json").exists()

@@ -7,6 +7,7 @@ import inspect
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from lemon import benchmarks as B
@@ -39,16 +40,33 @@ def fake_pool(reply="The answer is 3.\nAnswer: 3"):
 
 
 # ---- config ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("profile", study.PROFILES)
-def test_presets_build_and_reference_training_presets(profile):
+@pytest.mark.parametrize("profile", ["smoke", "cpu-wide", "paper"])
+def test_broad_presets_build_and_reference_training_presets(profile):
     cfg = study.study_preset(profile, seed=3)
-    assert cfg.profile == cfg.train.profile == profile and cfg.seed == cfg.train.seed == cfg.sft.seed == 3
+    assert cfg.profile == profile and cfg.train.profile == study.STUDY_PROFILES[profile]
+    assert cfg.seed == cfg.train.seed == cfg.sft.seed == 3
     assert set(cfg.benchmarks) == set(B.BENCHMARKS)
     assert {"vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random", "prompted", "lemon"} <= set(cfg.eval_methods)
     assert {"global", "full", "edge"} <= set(cfg.ablation_variants)
     if profile != "smoke":  # smoke keeps one single-family variant to fit CI
         assert {"role", "capacity"} <= set(cfg.ablation_variants)
     json.dumps(cfg.to_dict(), default=str)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cpu-long"])
+def test_cpu_asks_one_question_on_paired_math_questions(profile):
+    """The embedded default pairs the trained policy with its own SFT warm start (cpu-long: and global GRPO at the same
+    step count) and CoT at each capacity, on the same seeded math EVAL-pool questions (the ablation sample is the whole
+    eval sample)."""
+    cfg = study.study_preset(profile, seed=1)
+    assert cfg.train.profile == "cpu" and cfg.benchmarks == study.MATH == cfg.ablation_benchmarks
+    assert cfg.ablation_variants == (("sft",) if profile == "cpu" else ("sft", "global"))
+    assert cfg.ablation_n == cfg.eval_n >= 20 and cfg.policy_server
+    assert {"cot@small", "cot@medium", "cot@large", "lemon"} <= set(cfg.eval_methods)
+    if profile == "cpu-long":
+        assert cfg.ablation_steps == cfg.train.max_steps >= 15 and cfg.eval_n * len(cfg.benchmarks) >= 150
+    assert set(cfg.train.benchmarks) == set(study.MATH)  # trained on the math TRAIN pools, evaluated on their EVAL pools
+    assert study.split_method("cot@large") == ("cot", "large") and study.split_method("lemon") == ("lemon", None)
 
 
 def test_smoke_is_sized_for_ci():
@@ -73,7 +91,9 @@ def test_every_field_has_a_docstring():
                                         ({"eval_n": 1, "edit_n": 2}, "edit_n"),
                                         ({"benchmarks": ("gsm9k",)}, "gsm9k"),
                                         ({"n_agents": 2}, "tree"),
-                                        ({"baseline_capacity": "huge"}, "huge")])
+                                        ({"baseline_capacity": "huge"}, "huge"),
+                                        ({"eval_methods": ("cot@huge",)}, "cot@huge"),
+                                        ({"eval_methods": ("lemon@large",)}, "lemon@large")])
 def test_bad_configs_are_refused_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
         study.study_preset("smoke", **bad)
@@ -85,7 +105,8 @@ def test_resolve_out_dir(tmp_path):
     assert new.parent == tmp_path / "outputs" and new.name.startswith("cpu-")
     with pytest.raises(FileNotFoundError, match="no earlier cpu study"):
         study.resolve_out_dir("cpu", resume=True, root=tmp_path)
-    for name in ("cpu-20260101-000000", "cpu-20261130-120000", "cpu-custom", "smoke-20270101-000000"):
+    for name in ("cpu-20260101-000000", "cpu-20261130-120000", "cpu-custom", "smoke-20270101-000000",
+                 "cpu-wide-20270101-000000"):  # another profile's folder, though its name starts with cpu-
         (tmp_path / "outputs" / name).mkdir(parents=True)
     assert study.resolve_out_dir("cpu", resume=True, root=tmp_path).name == "cpu-20261130-120000"
     assert study.resolve_out_dir("cpu", tmp_path / "mine", resume=True, root=tmp_path) == (tmp_path / "mine").resolve()
@@ -219,11 +240,19 @@ def test_tables_and_summary_from_results(tmp_path):
     assert list(a.variant) == ["global", "full"] and list(a["gsm8k acc"]) == [0.0, 1.0]
     e = plots.edit_table(stages.read_rows(paths.edits)).set_index("family")
     assert e.loc["edge", "edits"] == 2 and e.loc["edge", "d_accuracy"] == -0.5 and e.loc["capacity", "d_tokens"] == -80
+    (paths.root / "dev").mkdir()
+    (paths.root / "dev" / "curves.json").write_text(json.dumps([{"run": "lemon", "step": s, "n": 6, "accuracy": a,
+                                                                  "tokens": 99.0} for s, a in ((0, 0.5), (2, 0.75))]))
     md = plots.write_summary(cfg, paths).read_text()
+    assert "## Learning curves" in md and "| lemon | 2 | 6 | 0.750 | 99.000 |" in md
     for needle in ("## Main results", "| method | gsm8k (test, n=2) | mmlu (validation, n=2) |", "| cot | 0.50 [0.09, 0.91] · 100 |", "## Ablation",
                    "| variant |", "## Edit effects", "seed 0", "smollm2-135m", "gsm8k test", "mmlu validation"):
         assert needle in md, needle
-    for fig in (plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a), plots.edit_heatmap(
+    # the paired answer comes first: lemon vs the 1-step global variant on the question both saw, and vs each baseline
+    assert md.index("## Does training help?") < md.index("## Data pools")
+    assert "The SFT warm start was not evaluated" in md and "| lemon | cot@medium | 4 |" in md
+    for fig in (plots.dev_plot(pd.DataFrame(json.loads((paths.root / "dev" / "curves.json").read_text()))),
+                plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a), plots.edit_heatmap(
             plots.edit_table(stages.read_rows(paths.edits)))):
         p = plots.save(fig, tmp_path / "p.png")
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -308,3 +337,88 @@ def test_a_killed_kernel_is_named_and_the_study_resumes(tmp_path, monkeypatch, c
     calls = _fake_papermill(monkeypatch)
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
+
+
+def test_best_fixed_chooses_on_train_questions_and_evaluates_its_choice(tmp_path):
+    """'best-fixed': the candidates run on TRAIN-pool dev questions, the most accurate wins (ties: fewer tokens), and
+    only the winner runs on the eval sample. Here only the large worker knows the answers, so cot@large and chain@large
+    tie on accuracy and the cheaper single agent wins."""
+    cfg = study.study_preset("smoke", benchmarks=("gsm8k",), ablation_benchmarks=("gsm8k",), eval_n=2, edit_n=1,
+                             ablation_n=1, eval_methods=("best-fixed",), fixed_dev_n=3,
+                             fixed_candidates=("cot@small", "cot@large", "chain@large"))
+    paths = study.StudyPaths(tmp_path)
+    study.write_config(cfg, paths)
+    stages.prepare_data(cfg, paths)
+    gold = {e.question: e.gold for e in B.train_pool(cfg.protocol)["gsm8k"] + B.eval_pool(cfg.protocol)["gsm8k"]}
+
+    calls = []
+
+    def knows(messages, params):
+        calls.append(1)
+        text = " ".join(m["content"] for m in messages)
+        return next((f"Answer: {g}" for q, g in gold.items() if q in text), "Answer: -1")
+    wrong, right = FakeBackend(lambda m, p: "Answer: -1", model="small"), FakeBackend(knows, model="large")
+    pool = WorkerPool({"small": wrong, "medium": wrong, "large": right})
+    stages.evaluate_all(cfg, paths, pool, default_prompts(), progress=False)
+    choice = json.loads((paths.root / "select" / "choice.json").read_text())
+    assert choice["chosen"] == "cot@large"
+    acc = {c["method"]: c["accuracy"] for c in choice["candidates"]}
+    assert acc == {"cot@small": 0.0, "cot@large": 1.0, "chain@large": 1.0}
+    train_ids = {e.id for e in B.train_pool(cfg.protocol)["gsm8k"]}
+    assert len(choice["dev_ids"]["gsm8k"]) == 3 and set(choice["dev_ids"]["gsm8k"]) <= train_ids
+    dev_rows = stages.read_rows(paths.root / "select" / "cot@large" / "gsm8k" / "results.jsonl")
+    assert {r["split"] for r in dev_rows} == {"train"}
+    rows = stages.read_rows(paths.eval_dir("best-fixed", "gsm8k") / "results.jsonl")
+    assert len(rows) == 2 and all(r["correct"] and r["method"] == "cot" and r["split"] == "test" for r in rows)
+    before = len(calls)
+    assert stages.select_fixed(cfg, paths, pool, default_prompts(), progress=False) == "cot@large"  # from choice.json
+    assert len(calls) == before > 0
+    with pytest.raises(ValueError, match="fixed_candidates: lemon"):
+        study.study_preset("smoke", fixed_candidates=("lemon",))
+
+
+def test_dev_curves_evaluate_each_runs_checkpoints_on_held_out_train_questions(tmp_path, monkeypatch):
+    """dev_curves: step 0 (the SFT adapter), every dev_every steps, the final adapter, for the main run and each trained
+    variant; the dev questions come from the train pools and are not the ones training uses. The policy is faked (a
+    writer that records which adapter it was given); the rest is the real evaluation path on a fake worker pool."""
+    from lemon.eval.orchestrator import SpecProposal
+    from lemon.spec import parse_spec
+    from lemon.train.pipeline import training_examples
+    cfg = study.study_preset("smoke", ablation_variants=("sft", "global"), ablation_steps=2, dev_n=2, dev_every=2)
+    paths = study.StudyPaths(tmp_path)
+    study.write_config(cfg, paths)
+    (paths.sft).mkdir(parents=True)
+    (paths.sft / "sft.json").write_text(json.dumps({"adapter": str(paths.sft)}))
+    for run, steps in ((paths.grpo, 4), (paths.variant("global"), 2)):
+        for k in range(1, steps + 1):
+            (run / "grpo" / f"checkpoint-{k}").mkdir(parents=True)
+        (run / "adapter").mkdir()
+        (run / "train.json").write_text(json.dumps({"steps": steps}))
+    seen = []
+
+    class Writer:
+        def __init__(self, cfg, adapter, name):
+            self.adapter, self.name = Path(adapter), name
+
+        def propose(self, task, domain, prompts, seed=0):
+            seen.append(self.adapter.relative_to(paths.root).as_posix())
+            return SpecProposal(SPEC, parse_spec(SPEC, base_roles=prompts.roles_for(domain)), None, None, 10, 20)
+
+        def close(self):
+            pass
+    monkeypatch.setattr(stages, "LazyPolicyWriter", Writer)
+    rows = stages.dev_curves(cfg, paths, default_prompts(), fake_pool(), progress=False)
+    assert [(r["run"], r["step"]) for r in rows] == [("lemon", 0), ("lemon", 2), ("lemon", 4), ("global", 0), ("global", 2)]
+    assert all(r["n"] == 2 * len(cfg.train.benchmarks) for r in rows)
+    n_q = 2 * len(cfg.train.benchmarks)
+    assert seen == (["train/sft"] * n_q + ["train/grpo/grpo/checkpoint-2"] * n_q + ["train/grpo/adapter"] * n_q +
+                    ["train/sft"] * n_q + ["ablations/variants/global/adapter"] * n_q)
+    trained = {e.id for e in training_examples(cfg.train)}
+    dev = [e for v in stages.dev_examples(cfg).values() for e in v]
+    assert len(dev) == n_q and not {e.id for e in dev} & trained
+    assert all(e.id in {x.id for x in B.train_pool(cfg.protocol)[e.benchmark]} for e in dev)
+    again = stages.dev_curves(cfg, paths, default_prompts(), fake_pool(), progress=False)  # resumed: no new spec
+    assert again == rows and len(seen) == 5 * n_q
+    assert json.loads((paths.root / "dev" / "curves.json").read_text()) == rows
+    with pytest.raises(ValueError, match="multiple of train.save_steps"):
+        study.study_preset("cpu", dev_n=1, dev_every=3)

@@ -189,6 +189,17 @@ def ablation_plot(a: pd.DataFrame):
     return fig
 
 
+def dev_plot(d: pd.DataFrame):
+    """Dev-set accuracy of each training run against its step (notebook 03's dev_curves)."""
+    plt, sns = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    sns.lineplot(data=d, x="step", y="accuracy", hue="run", marker="o", ax=ax)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"held-out TRAIN-pool dev set (n = {int(d['n'].max()) if len(d) else 0} per point)")
+    fig.tight_layout()
+    return fig
+
+
 # ---- specs -----------------------------------------------------------------------------------------------------------
 def spec_gallery(items: list[tuple[str, object]]):
     """Draw specs with lemon.study.widgets.draw_spec when available; else return their YAML. items: (title, Spec)."""
@@ -217,6 +228,29 @@ def md_table(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
     return "\n".join(lines)
 
 
+def headline_md(cfg, root: Path, models: str) -> list[str]:
+    """summary.md's first section: the trained policy paired with its warm start, global GRPO and the other methods on
+    the same questions (lemon.study.compare), led by the one-sentence answer of 'lemon vs sft'."""
+    from lemon.prompts import default_prompts
+    from lemon.study.compare import policy_specs, spec_composition, study_comparisons
+    c = study_comparisons(cfg, root)
+    if c.empty:
+        return []
+    lead = c[c["B"].str.startswith("sft")]
+    answer = ("Training vs its warm start: " + "; ".join(f"delta {r['delta']:+.3f} {r['95% CI']}, n = {r['n']}: "
+                                                         f"{r['verdict']}" for r in lead.to_dict("records")) + ".") if len(lead) else \
+        "The SFT warm start was not evaluated (add 'sft' to ablation_variants): no training-effect comparison."
+    return ["## Does training help? (paired on the same questions)", "", f"**{answer}**", "",
+            f"`lemon` = the CF-GRPO policy of notebook 02 ({cfg.train.max_steps} steps, cf_lambda={cfg.train.cf_lambda}), "
+            f"paired question by question with each method on the EVAL-pool questions both answered (seed {cfg.seed}). "
+            "delta = accuracy(A) - accuracy(B); 95% percentile bootstrap CI over questions, resampled within each "
+            "benchmark; 'A only / B only' = questions only one of them got right; McNemar = exact two-sided test on those. "
+            f"A CI that includes 0 means this n cannot tell the two apart (not that they are equal). {models}.", "",
+            md_table(c), "", "What the policies' evaluation specs look like (distinct = spec structures over the questions; "
+            "one for all = a collapsed policy; shares = agents at each capacity):", "",
+            md_table(spec_composition(policy_specs(cfg, root, default_prompts()))), ""]
+
+
 def write_summary(cfg, paths) -> Path:
     """summary.md: every table of the study, each captioned with split, n, models and seed."""
     root = Path(paths.root)
@@ -227,6 +261,7 @@ def write_summary(cfg, paths) -> Path:
     md = [f"# LEMON study — profile `{cfg.profile}`", "",
           f"Folder `{root}`; git `{man.get('git', '?')}`; seed {cfg.seed}; protocol `{cfg.protocol}` (disjoint train/eval "
           f"pools); {models}. Regenerate: `scripts/main.sh --profile {cfg.profile} --out {root}`.", ""]
+    md += headline_md(cfg, root, models)
     stats = json.loads((root / "data" / "stats.json").read_text()) if (root / "data" / "stats.json").exists() else []
     md += ["## Data pools (notebook 01)", "", md_table(pd.DataFrame(stats)), ""]
     sft_p, tr_p = root / "train" / "sft" / "sft.json", root / "train" / "grpo" / "train.json"
@@ -258,6 +293,12 @@ def write_summary(cfg, paths) -> Path:
                f"evaluated on n = {cfg.ablation_n} EVAL-pool questions per benchmark "
                f"({', '.join(b + ' ' + B.POOL_SPLITS['eval'][b] for b in cfg.ablation_benchmarks)}); "
                f"{models}.", "", md_table(a), ""]
+    if (root / "dev" / "curves.json").exists():
+        md += ["## Learning curves (notebook 03)", "",
+               f"Each training run's adapter at step 0 (the SFT warm start), every {cfg.dev_every} steps and at the end, on "
+               f"{cfg.dev_n} held-out TRAIN-pool questions per training benchmark (after the training questions in the "
+               f"seeded order: never trained on; seed {cfg.seed}); {models}.", "",
+               md_table(pd.DataFrame(json.loads((root / "dev" / "curves.json").read_text()))), ""]
     e = edit_table(read_rows(root / "ablations" / "edit_effects.jsonl"))
     if not e.empty:
         md += ["## Edit effects (notebook 03)", "",

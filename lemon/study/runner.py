@@ -1,6 +1,7 @@
 """The user-facing study: notebooks 01 (data) -> 02 (SFT + CF-GRPO) -> 03 (ablations) -> 04 (evaluation), executed with
-papermill into outputs/<profile>-<timestamp>/ by ONE command (`scripts/main.sh --profile smoke|cpu|paper [--out DIR | --resume]`).
-Here: the config of each profile, the folder layout and the runner; what each notebook computes is in lemon.study.stages,
+papermill into outputs/<profile>-<timestamp>/ by ONE command
+(`scripts/main.sh --profile smoke|cpu|cpu-long|cpu-wide|paper [--out DIR | --resume]`).
+Here: the folder layout and the runner (the config of each profile: lemon.study.config); what each notebook computes is in lemon.study.stages,
 the plots and summary tables in lemon.study.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
 are skipped (a marker under .done/), and inside a notebook training resumes from checkpoints and evaluation from results.jsonl.
 """
@@ -15,140 +16,17 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from lemon import benchmarks as B
-from lemon.eval.baselines import BASELINES
-from lemon.train.config import PROFILES, TrainConfig, sft_preset, train_preset
-from lemon.train.edits import FAMILIES
-from lemon.eval.runner import EvalConfig
 from lemon.manifest import build_manifest, git_sha, write_json
-from lemon.run.models import DEFAULT_LADDER, SHIPPED
-from lemon.eval.orchestrator import OrchestratorConfig
 from lemon.progress import TEXT_ENV
-from lemon.prompts import CAPACITIES
-from lemon.train.sft import SFTConfig
+from lemon.run.models import DEFAULT_LADDER, SHIPPED
+from lemon.study.config import (MATH, NOTEBOOKS, ORCHESTRATORS, STUDY_PROFILES, VARIANTS,  # noqa: F401  (re-exported)
+                                StudyConfig, split_method, study_preset)
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ("01_prepare_data", "02_train_grpo_lora", "03_ablations", "04_evaluate")
-ORCHESTRATORS = ("prompted", "lemon")  # eval methods besides the baselines: the untrained prompted worker, the trained policy
-VARIANTS = {"sft": None, "global": {"cf_lambda": 0.0}, "full": {},  # sft = warm start only (no RL); full = CF over all families
-            **{f: {"cf_families": (f,)} for f in FAMILIES}}  # one edit family alone
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    """Everything the four notebooks do for one profile (training itself: `train` / `sft`, from lemon.train.config)."""
-
-    profile: str
-    """smoke | cpu | paper."""
-    train: TrainConfig
-    """CF-GRPO config of the main run (lemon.train.config.train_preset(profile))."""
-    sft: SFTConfig
-    """Warm-start config (lemon.train.config.sft_preset(profile))."""
-    seed: int = 0
-    """Seeds the eval/edit/ablation samples, every worker call and (through train/sft) training."""
-    protocol: str = "paper"
-    """Train/eval pool protocol (lemon.benchmarks.PROTOCOLS)."""
-    benchmarks: tuple[str, ...] = B.BENCHMARKS
-    """Benchmarks evaluated in notebook 04 (their EVAL pools)."""
-    eval_n: int | None = 2
-    """Eval questions per benchmark (a seeded sample of the eval pool; None = the whole pool)."""
-    eval_methods: tuple[str, ...] = BASELINES + ORCHESTRATORS
-    """Methods of notebook 04: baselines, 'prompted' (untrained orchestrator), 'lemon' (trained policy)."""
-    baseline_capacity: str = "medium"
-    """Capacity of every baseline agent."""
-    n_agents: int = 3
-    """Agents (final included) of chain / tree / complete / random."""
-    sc_k: int = 3
-    """SC-CoT samples."""
-    orchestrator_capacity: str = "large"
-    """Which worker writes the prompted orchestrator's spec."""
-    orchestrator_max_tokens: int = 320
-    """Spec length cap of the prompted orchestrator (the trained one keeps train.max_completion_length)."""
-    edit_n: int = 1
-    """Edit-effect questions per benchmark (a prefix of the eval sample)."""
-    edit_specs: int = 1
-    """Held-out (mutated baseline) specs per edit-effect question."""
-    edit_sites: int = 1
-    """Sites per family and spec at which an edit is applied (seeded choice among the eligible ones)."""
-    ablation_variants: tuple[str, ...] = ("global", "full", "edge", "role", "capacity")
-    """Training variants of notebook 03 (keys of VARIANTS), all started from the same SFT warm start."""
-    ablation_steps: int = 1
-    """GRPO steps of each variant ('full' reuses notebook 02's run when this equals train.max_steps)."""
-    ablation_benchmarks: tuple[str, ...] = ("gsm8k", "mmlu")
-    """Benchmarks each variant's adapter is evaluated on."""
-    ablation_n: int = 1
-    """Eval questions per ablation benchmark (a prefix of the eval sample)."""
-    gallery: int = 4
-    """Generated specs drawn in notebook 04."""
-    policy_server: bool = False
-    """Trained policies write their evaluation specs on llama-server (lemon.run.served_policy: the same F32 weights and
-    llguidance greedy, token for token the transformers specs; ~9x faster for the 0.5B, bench/served_policy_bench.py)."""
-
-    def __post_init__(self):
-        if self.profile not in PROFILES or self.train.profile != self.profile:
-            raise ValueError(f"profile={self.profile!r} (train preset {self.train.profile!r}); valid: {', '.join(PROFILES)}")
-        if self.protocol not in B.PROTOCOLS:
-            raise ValueError(f"protocol={self.protocol!r}; valid: {', '.join(B.PROTOCOLS)}")
-        for name in (*self.benchmarks, *self.ablation_benchmarks):
-            B.get_benchmark(name)  # raises UnknownBenchmarkError naming the valid ones
-        bad = [m for m in self.eval_methods if m not in BASELINES + ORCHESTRATORS]
-        if bad:
-            raise ValueError(f"unknown eval methods {bad}; valid: {', '.join(BASELINES + ORCHESTRATORS)}")
-        bad = [v for v in self.ablation_variants if v not in VARIANTS]
-        if bad:
-            raise ValueError(f"unknown ablation variants {bad}; valid: {', '.join(VARIANTS)}")
-        if self.eval_n is not None and self.eval_n < 1:
-            raise ValueError("eval_n must be >= 1 (or None for the whole eval pool)")
-        cap = self.eval_n or 10**9
-        for k in ("edit_n", "ablation_n"):
-            if not 0 <= getattr(self, k) <= cap:
-                raise ValueError(f"{k}={getattr(self, k)} must be in 0..eval_n={self.eval_n}: its questions are a prefix of the eval sample")
-        if min(self.edit_specs, self.edit_sites, self.ablation_steps, self.sc_k) < 1:
-            raise ValueError("edit_specs, edit_sites, ablation_steps and sc_k must be >= 1")
-        if {self.baseline_capacity, self.orchestrator_capacity} - set(CAPACITIES):
-            raise ValueError(f"capacities {self.baseline_capacity!r} / {self.orchestrator_capacity!r}; valid: {', '.join(CAPACITIES)}")
-        EvalConfig("tree", "gsm8k", capacity=self.baseline_capacity, n_agents=self.n_agents, k=self.sc_k)  # same checks as eval
-        OrchestratorConfig(capacity=self.orchestrator_capacity, max_tokens=self.orchestrator_max_tokens)
-        if self.policy_server and self.train.policy.model not in SHIPPED:
-            raise ValueError(f"policy_server=True serves a shipped GGUF policy; {self.train.policy.model!r} is not one "
-                             f"({', '.join(SHIPPED)}): set policy_server=False (transformers writes the specs)")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        """One line per field (train / sft nested one level), for the notebooks' config cell."""
-        flat = lambda d, pre="": [f"{pre}{k} = {v!r}" for k, v in d.items()]  # noqa: E731
-        d = self.to_dict()
-        return "\n".join([*flat({k: v for k, v in d.items() if k not in ("train", "sft")}), *flat(d["train"], "train."),
-                          *flat(d["sft"], "sft.")])
-
-
-def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
-    """The study of a profile; `overrides` replace StudyConfig fields."""
-    train, sft = train_preset(profile, seed=seed), sft_preset(profile, seed=seed)
-    if profile == "smoke":
-        # CI: 135M everywhere, 2 questions per benchmark, 1-step variants (global, full, edge). Measured on 2 lightly loaded
-        # cores (2026-11-30): 01 3 s, 02 375 s (SFT ~5 min, CF-GRPO 21 s/step), 03 181 s, 04 498 s; total 17.7 min.
-        # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
-        cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
-    elif profile == "cpu":
-        # Embedded default on 2 cores. MEASURED (2026-11-30, llama.cpp on both cores, LOG.md; summed over resumes): 01 7 s;
-        # 02 ~39 min (SFT corpus on 8 questions 13.4 min, valid-rate probes 2 x 2.3 min, SFT 3 steps ~2 min, 4 CF-GRPO steps
-        # 215-333 s each); 03 ~25 min; 04 ~57 min (9 methods x 6 benchmarks x 2 questions). About 2 h in all.
-        # policy_server (added 2026-12-02, after the timings above): trained policies' eval specs on llama-server, ~9x faster
-        cfg = StudyConfig("cpu", replace(train, max_steps=4), replace(sft, questions=8), seed=seed, policy_server=True)
-    elif profile == "paper":  # one GPU + vLLM workers: full eval pools, Table-2 ablation at 300 steps on 200 MMLU / GSM8K questions
-        cfg = StudyConfig("paper", train, sft, seed=seed, eval_n=None, n_agents=4, sc_k=5, orchestrator_max_tokens=1024,
-                          edit_n=20, edit_specs=2, edit_sites=2,
-                          ablation_variants=("sft", "global", "full", "edge", "role", "capacity"), ablation_steps=300,
-                          ablation_benchmarks=("mmlu", "gsm8k"), ablation_n=200, gallery=8)
-    else:
-        raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
-    return replace(cfg, **overrides)
 
 
 # ---- where things go -------------------------------------------------------------------------------------------------
@@ -337,7 +215,9 @@ def _raise_interrupt(signum, frame):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lemon.study", description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
-    p.add_argument("--profile", default="cpu", choices=PROFILES, help="smoke (CI, minutes) | cpu (2 cores, ~2 h) | paper (GPU)")
+    p.add_argument("--profile", default="cpu", choices=list(STUDY_PROFILES),
+                   help="smoke (CI, ~25 min) | cpu (does training help? 2 cores, ~2 h) | cpu-long (the same, CF vs global, "
+                        "150 questions, ~13 h) | cpu-wide (six benchmarks) | paper (GPU)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--out", help="study folder (an existing one is resumed; default: a new outputs/<profile>-<timestamp>)")
     g.add_argument("--resume", action="store_true", help="resume the newest outputs/<profile>-* study")

@@ -16,7 +16,8 @@ from lemon.eval.runner import EvalConfig, read_rows, run_eval
 from lemon.run.executor import ExecutorCaps, domain_reply_caps
 from lemon.manifest import write_json
 from lemon.eval.orchestrator import OrchestratorConfig, PolicySpecWriter
-from lemon.study.runner import ORCHESTRATORS, VARIANTS, StudyConfig, StudyPaths, load_samples
+from lemon.study.config import FIXED, ORCHESTRATORS, VARIANTS, StudyConfig, split_method
+from lemon.study.runner import StudyPaths, load_samples
 
 
 # ---- notebook 01: data -----------------------------------------------------------------------------------------------
@@ -141,6 +142,42 @@ def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
     return adapters
 
 
+def dev_examples(cfg: StudyConfig) -> dict[str, list]:
+    """{benchmark: [Example]}: dev_n held-out TRAIN-pool questions per training benchmark, the ones that follow the
+    training questions in lemon.train.pipeline.training_examples' seeded order (so no run trains on them)."""
+    from lemon.train.pipeline import training_examples
+    n = cfg.train.train_questions
+    extra = training_examples(replace(cfg.train, train_questions=n + cfg.dev_n * len(cfg.train.benchmarks)))[n:]
+    return {b: [e for e in extra if e.benchmark == b] for b in cfg.train.benchmarks}
+
+
+def dev_curves(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> list[dict]:
+    """Notebook 03 (cfg.dev_n > 0): the main run and each trained variant, evaluated at step 0 (the SFT adapter), every
+    dev_every steps and at the end on the dev set (dev/<run>/step-<k>/<benchmark>, resumable). One row per (run, step):
+    accuracy, n, mean worker tokens."""
+    from lemon.train.pipeline import checkpoint_step, checkpoints
+    if not cfg.dev_n:
+        return []
+    sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())["adapter"]
+    same = lambda v: v == "sft" or (v == "full" and cfg.ablation_steps == cfg.train.max_steps)  # noqa: E731  (not trained here)
+    runs = {"lemon": paths.grpo, **{v: paths.variant(v) for v in cfg.ablation_variants if not same(v)}}
+    dev, rows = dev_examples(cfg), []
+    for name, run in runs.items():
+        final = json.loads(paths.require(run / "train.json", "03_ablations").read_text())["steps"]
+        points = {0: Path(sft), final: run / "adapter"}
+        points.update({checkpoint_step(c): c for c in checkpoints(run / "grpo") if checkpoint_step(c) % cfg.dev_every == 0
+                       and checkpoint_step(c) < final})
+        for step, adapter in sorted(points.items()):
+            sums = evaluate(cfg, paths, f"{name}-dev", dev, pool, prompts, adapter=adapter, progress=progress,
+                            out_of=lambda b, name=name, step=step: paths.root / "dev" / name / f"step-{step}" / b,
+                            pool_kind="train")
+            n = sum(s["n"] for s in sums)
+            rows.append({"run": name, "step": step, "n": n, "accuracy": sum(s["correct"] for s in sums) / n,
+                         "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n})
+    write_json(paths.root / "dev" / "curves.json", rows)
+    return rows
+
+
 # ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
 def eval_pool(cfg: StudyConfig):
     """The worker pool of notebooks 03/04: the models LEMON was trained with, its reply caps raised to what the evaluated
@@ -201,10 +238,12 @@ class LazyPolicyWriter:
 
 
 def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[str, list], pool, prompts, *,
-             adapter: Path | None = None, out_of=None, progress: bool = True) -> list[dict]:
+             adapter: Path | None = None, out_of=None, progress: bool = True, pool_kind: str = "eval") -> list[dict]:
     """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
-    summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy)."""
-    if method not in BASELINES and method != "prompted" and adapter is None:
+    summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy).
+    pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split."""
+    base, cap = split_method(method)  # 'cot@large': the cot baseline at capacity large
+    if base not in BASELINES and method != "prompted" and adapter is None:
         raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter")
     writer = None
     if adapter is not None:
@@ -214,8 +253,8 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
     sums = []
     try:
         for b, exs in examples.items():
-            ecfg = EvalConfig("orchestrator" if method not in BASELINES else method, b, B.POOL_SPLITS["eval"][b], seed=cfg.seed,
-                              capacity=cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
+            ecfg = EvalConfig(base if base in BASELINES else "orchestrator", b, B.POOL_SPLITS[pool_kind][b], seed=cfg.seed,
+                              capacity=cap or cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
             s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
                          examples=exs, progress=progress)
             sums.append({**s, "method": method})
@@ -225,11 +264,42 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
     return sums
 
 
+def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True) -> str:
+    """'best-fixed': run every cfg.fixed_candidates method on a seeded sample of fixed_dev_n TRAIN-pool questions per
+    benchmark (select/<method>/<benchmark>, resumable) and return the most accurate (ties: fewer mean worker tokens).
+    The choice, every candidate's score and the dev ids go to select/choice.json; a folder that has it is not redone."""
+    out = paths.root / "select" / "choice.json"
+    if out.exists():
+        return json.loads(out.read_text())["chosen"]
+    train = B.train_pool(cfg.protocol)
+    dev = {}
+    for b in cfg.benchmarks:
+        exs = sorted(train[b], key=lambda e: e.id)
+        random.Random(cfg.seed).shuffle(exs)
+        dev[b] = exs[:cfg.fixed_dev_n]
+    scores = []
+    for m in cfg.fixed_candidates:
+        sums = evaluate(cfg, paths, m, dev, pool, prompts, out_of=lambda b, m=m: paths.root / "select" / m / b,
+                        progress=progress, pool_kind="train")
+        n = sum(s["n"] for s in sums)
+        scores.append({"method": m, "n": n, "accuracy": sum(s["correct"] for s in sums) / n,
+                       "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n})
+    best = max(scores, key=lambda r: (r["accuracy"], -r["tokens"]))
+    write_json(out, {"chosen": best["method"], "candidates": scores, "dev_ids": {b: [e.id for e in v] for b, v in dev.items()},
+                     "seed": cfg.seed})
+    return best["method"]
+
+
 def evaluate_all(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True) -> None:
-    """Notebook 04: every method of cfg.eval_methods on the eval sample (LEMON = notebook 02's adapter)."""
+    """Notebook 04: every method of cfg.eval_methods on the eval sample (LEMON = notebook 02's adapter; 'best-fixed' =
+    the method select_fixed chose, evaluated into eval/best-fixed/)."""
     samples = load_samples(cfg, paths, "eval")
     adapter = paths.require(paths.grpo / "adapter", "02_train_grpo_lora") if "lemon" in cfg.eval_methods else None
     for m in cfg.eval_methods:
+        if m == FIXED:
+            chosen = select_fixed(cfg, paths, pool, prompts, progress=progress)
+            evaluate(cfg, paths, chosen, samples, pool, prompts, out_of=lambda b: paths.eval_dir(FIXED, b), progress=progress)
+            continue
         evaluate(cfg, paths, m, samples, pool, prompts, adapter=adapter if m == "lemon" else None, progress=progress)
 
 
