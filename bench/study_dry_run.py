@@ -77,8 +77,7 @@ def main(argv=None) -> int:
             timed("03 dev curves", lambda: stages.dev_curves(cfg, paths, prompts, pool))
         samples = study.load_samples(cfg, paths, "eval")
         for m in cfg.eval_methods:
-            ad = paths.require(paths.grpo / "adapter", "02_train_grpo_lora") if m == "lemon" else None
-            timed(f"04 {m}", lambda m=m, ad=ad: stages.evaluate(cfg, paths, m, samples, pool, prompts, adapter=ad))
+            timed(f"04 {m}", lambda m=m: stages.evaluate_method(cfg, paths, m, samples, pool, prompts))
     finally:
         pool.close()
     # seconds per question from the rows themselves (latency_s: spec writing + execution of each question)

@@ -294,13 +294,20 @@ def evaluate_all(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress
     """Notebook 04: every method of cfg.eval_methods on the eval sample (LEMON = notebook 02's adapter; 'best-fixed' =
     the method select_fixed chose, evaluated into eval/best-fixed/)."""
     samples = load_samples(cfg, paths, "eval")
-    adapter = paths.require(paths.grpo / "adapter", "02_train_grpo_lora") if "lemon" in cfg.eval_methods else None
     for m in cfg.eval_methods:
-        if m == FIXED:
-            chosen = select_fixed(cfg, paths, pool, prompts, progress=progress)
-            evaluate(cfg, paths, chosen, samples, pool, prompts, out_of=lambda b: paths.eval_dir(FIXED, b), progress=progress)
-            continue
-        evaluate(cfg, paths, m, samples, pool, prompts, adapter=adapter if m == "lemon" else None, progress=progress)
+        evaluate_method(cfg, paths, m, samples, pool, prompts, progress=progress)
+
+
+def evaluate_method(cfg: StudyConfig, paths: StudyPaths, method: str, samples: dict[str, list], pool, prompts, *,
+                    progress: bool = True) -> list[dict]:
+    """One method of notebook 04 into eval/<method>/: 'lemon' with notebook 02's adapter, 'best-fixed' as the method
+    select_fixed chose, anything else as itself."""
+    if method == FIXED:
+        chosen = select_fixed(cfg, paths, pool, prompts, progress=progress)
+        return evaluate(cfg, paths, chosen, samples, pool, prompts, out_of=lambda b: paths.eval_dir(FIXED, b),
+                        progress=progress)
+    adapter = paths.require(paths.grpo / "adapter", "02_train_grpo_lora") if method == "lemon" else None
+    return evaluate(cfg, paths, method, samples, pool, prompts, adapter=adapter, progress=progress)
 
 
 def generated_specs(cfg: StudyConfig, paths: StudyPaths, prompts, methods=ORCHESTRATORS) -> list[dict]:
