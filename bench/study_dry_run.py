@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         pool.close()
     # seconds per question from the rows themselves (latency_s: spec writing + execution of each question)
     folders = {m: [paths.eval_dir(m, b) for b in cfg.benchmarks] for m in cfg.eval_methods}
-    folders.update({v: [paths.variant(v) / "eval" / b for b in cfg.ablation_benchmarks] for v in cfg.ablation_variants})
+    folders.update({v: [paths.variant_eval_dir(v, b) for b in cfg.ablation_benchmarks] for v in cfg.ablation_variants})
     for m, fs in folders.items():
         rows = [r for f in fs for r in read_rows(f / "results.jsonl")]
         if rows:

@@ -87,7 +87,8 @@ def _write(path, correct):
 def test_study_headline_on_a_hand_written_folder(tmp_path):
     cfg = SimpleNamespace(benchmarks=("gsm8k", "svamp"), ablation_benchmarks=("gsm8k", "svamp"),
                           ablation_variants=("sft", "global", "full"), ablation_steps=4, eval_methods=("cot", "lemon"),
-                          baseline_capacity="large", seed=0, train=SimpleNamespace(max_steps=4, cf_lambda=1.0))
+                          baseline_capacity="large", seed=0, train=SimpleNamespace(max_steps=4, cf_lambda=1.0),
+                          is_main_run=lambda v: v == "full")  # StudyConfig.is_main_run at ablation_steps == max_steps
     for b in cfg.benchmarks:
         _write(tmp_path / "eval" / "lemon" / b, {f"{b}{i}": i < 15 for i in range(20)})
         _write(tmp_path / "eval" / "cot" / b, {f"{b}{i}": i < 14 for i in range(20)})

@@ -92,22 +92,22 @@ def study_comparisons(cfg, root: Path) -> pd.DataFrame:
     """The study's paired table: the trained policy ('lemon', notebook 04) against each training variant of notebook 03
     (evaluated on the ablation sample, a prefix of the eval sample: paired on the questions both saw) and against every
     other method of notebook 04. 'full' at the main run's step count is the main adapter itself and is left out."""
-    root = Path(root)
-    lemon = load_rows({b: root / "eval" / "lemon" / b for b in cfg.benchmarks})
+    from lemon.study.runner import StudyPaths
+    paths = StudyPaths(root)
+    lemon = load_rows({b: paths.eval_dir("lemon", b) for b in cfg.benchmarks})
     pairs = []
     for v in cfg.ablation_variants:
-        if v == "full" and cfg.ablation_steps == cfg.train.max_steps:
+        if cfg.is_main_run(v):
             continue
         name = "sft (warm start, no RL)" if v == "sft" else f"{v} ({cfg.ablation_steps} steps)"
-        pairs.append(("lemon", name, lemon, load_rows({b: root / "ablations" / "variants" / v / "eval" / b
-                                                        for b in cfg.ablation_benchmarks})))
+        pairs.append(("lemon", name, lemon, load_rows({b: paths.variant_eval_dir(v, b) for b in cfg.ablation_benchmarks})))
     for m in cfg.eval_methods:
         if m != "lemon":
             label = m if m == "prompted" or "@" in m else f"{m}@{cfg.baseline_capacity}"
             if m == "best-fixed":
-                choice = root / "select" / "choice.json"
+                choice = paths.root / "select" / "choice.json"
                 label = f"best-fixed (= {json.loads(choice.read_text())['chosen']})" if choice.exists() else m
-            pairs.append(("lemon", label, lemon, load_rows({b: root / "eval" / m / b for b in cfg.benchmarks})))
+            pairs.append(("lemon", label, lemon, load_rows({b: paths.eval_dir(m, b) for b in cfg.benchmarks})))
     return comparisons(pairs)
 
 
@@ -116,10 +116,11 @@ def policy_specs(cfg, root: Path, prompts) -> dict[str, dict]:
     their results (None: the text did not parse)."""
     from lemon import benchmarks as B
     from lemon.spec import SpecError, parse_spec
-    root = Path(root)
-    where = {"lemon": (cfg.benchmarks, lambda b: root / "eval" / "lemon" / b)}
+    from lemon.study.runner import StudyPaths
+    paths = StudyPaths(root)
+    where = {"lemon": (cfg.benchmarks, lambda b: paths.eval_dir("lemon", b))}
     for v in cfg.ablation_variants:
-        where[v] = (cfg.ablation_benchmarks, lambda b, v=v: root / "ablations" / "variants" / v / "eval" / b)
+        where[v] = (cfg.ablation_benchmarks, lambda b, v=v: paths.variant_eval_dir(v, b))
     out = {}
     for m, (benches, folder) in where.items():
         specs = {}

@@ -135,6 +135,10 @@ class StudyConfig:
             raise ValueError(f"policy_server=True serves a shipped GGUF policy; {self.train.policy.model!r} is not one "
                              f"({', '.join(SHIPPED)}): set policy_server=False (transformers writes the specs)")
 
+    def is_main_run(self, variant: str) -> bool:
+        """'full' trained for the main run's step count is notebook 02's run itself: not retrained, not compared."""
+        return variant == "full" and self.ablation_steps == self.train.max_steps
+
     def to_dict(self) -> dict:
         return asdict(self)
 

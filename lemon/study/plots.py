@@ -168,7 +168,8 @@ def edit_heatmap(e: pd.DataFrame):
 
 def ablation_table(root: Path, variants, benchmarks) -> pd.DataFrame:
     """Paper Table 2 shape: one row per training variant, accuracy and mean worker tokens per benchmark and averaged."""
-    t = eval_table(root, variants, benchmarks, sub=lambda r, m, b: Path(r) / "ablations" / "variants" / m / "eval" / b)
+    from lemon.study.runner import StudyPaths
+    t = eval_table(root, variants, benchmarks, sub=lambda r, m, b: StudyPaths(r).variant_eval_dir(m, b))
     if t.empty:
         return t
     out = t.pivot(index="method", columns="benchmark", values=["accuracy", "tokens"])

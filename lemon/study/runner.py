@@ -50,6 +50,9 @@ class StudyPaths:
     def variant(self, name: str) -> Path:
         return self.root / "ablations" / "variants" / name
 
+    def variant_eval_dir(self, name: str, bench: str) -> Path:
+        return self.variant(name) / "eval" / bench
+
     def eval_dir(self, method: str, bench: str) -> Path:
         return self.root / "eval" / method / bench
 

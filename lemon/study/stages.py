@@ -123,7 +123,7 @@ def train_variant(cfg: StudyConfig, paths: StudyPaths, name: str, prompts, pool,
     sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())
     if name == "sft":
         return Path(sft["adapter"])
-    if name == "full" and cfg.ablation_steps == cfg.train.max_steps:
+    if cfg.is_main_run(name):
         return Path(paths.require(paths.grpo / "adapter", "02_train_grpo_lora"))
     vcfg = replace(cfg.train, max_steps=cfg.ablation_steps, save_steps=min(cfg.train.save_steps, cfg.ablation_steps),
                    **VARIANTS[name])
@@ -138,7 +138,7 @@ def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
         adapters[name] = train_variant(cfg, paths, name, prompts, pool, progress=progress)
         gc.collect()
         evaluate(cfg, paths, name, samples, pool, prompts, adapter=adapters[name], progress=progress,
-                 out_of=lambda b, n=name: paths.variant(n) / "eval" / b)
+                 out_of=lambda b, n=name: paths.variant_eval_dir(n, b))
     return adapters
 
 
@@ -159,8 +159,8 @@ def dev_curves(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: 
     if not cfg.dev_n:
         return []
     sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())["adapter"]
-    same = lambda v: v == "sft" or (v == "full" and cfg.ablation_steps == cfg.train.max_steps)  # noqa: E731  (not trained here)
-    runs = {"lemon": paths.grpo, **{v: paths.variant(v) for v in cfg.ablation_variants if not same(v)}}
+    runs = {"lemon": paths.grpo, **{v: paths.variant(v) for v in cfg.ablation_variants  # the runs trained here
+                                    if v != "sft" and not cfg.is_main_run(v)}}
     dev, rows = dev_examples(cfg), []
     for name, run in runs.items():
         final = json.loads(paths.require(run / "train.json", "03_ablations").read_text())["steps"]
@@ -171,9 +171,7 @@ def dev_curves(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: 
             sums = evaluate(cfg, paths, f"{name}-dev", dev, pool, prompts, adapter=adapter, progress=progress,
                             out_of=lambda b, name=name, step=step: paths.root / "dev" / name / f"step-{step}" / b,
                             pool_kind="train")
-            n = sum(s["n"] for s in sums)
-            rows.append({"run": name, "step": step, "n": n, "accuracy": sum(s["correct"] for s in sums) / n,
-                         "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n})
+            rows.append({"run": name, "step": step, **pooled(sums)})
     write_json(paths.root / "dev" / "curves.json", rows)
     return rows
 
@@ -264,6 +262,13 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
     return sums
 
 
+def pooled(sums: list[dict]) -> dict:
+    """Per-benchmark eval summaries (lemon.eval.runner.summarize) pooled over benchmarks: n, accuracy, mean worker tokens."""
+    n = sum(s["n"] for s in sums)
+    return {"n": n, "accuracy": sum(s["correct"] for s in sums) / n,
+            "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n}
+
+
 def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True) -> str:
     """'best-fixed': run every cfg.fixed_candidates method on a seeded sample of fixed_dev_n TRAIN-pool questions per
     benchmark (select/<method>/<benchmark>, resumable) and return the most accurate (ties: fewer mean worker tokens).
@@ -281,9 +286,7 @@ def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress
     for m in cfg.fixed_candidates:
         sums = evaluate(cfg, paths, m, dev, pool, prompts, out_of=lambda b, m=m: paths.root / "select" / m / b,
                         progress=progress, pool_kind="train")
-        n = sum(s["n"] for s in sums)
-        scores.append({"method": m, "n": n, "accuracy": sum(s["correct"] for s in sums) / n,
-                       "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n})
+        scores.append({"method": m, **pooled(sums)})
     best = max(scores, key=lambda r: (r["accuracy"], -r["tokens"]))
     write_json(out, {"chosen": best["method"], "candidates": scores, "dev_ids": {b: [e.id for e in v] for b, v in dev.items()},
                      "seed": cfg.seed})
