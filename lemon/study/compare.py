@@ -161,5 +161,7 @@ def spec_composition(specs: dict[str, dict], reference: str | None = "sft") -> p
         if reference in specs and m != reference:
             shared = sorted(set(by_q) & set(specs[reference]))
             row[f"differs from {reference}"] = f"{sum(_shape(by_q[q]) != _shape(specs[reference][q]) for q in shared)}/{len(shared)}"
+        elif m == reference and reference is not None:
+            row[f"differs from {reference}"] = "(reference)"  # not nan: the table says what the column is measured against
         out.append(row)
     return pd.DataFrame(out)
