@@ -166,9 +166,9 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # (notebook 02: SFT warm start + 4 CF-GRPO steps on the math train pools) is paired with its own SFT warm start
         # (notebook 03 evaluates it on the same questions) and with CoT at each capacity, on 20 seeded EVAL-pool questions
         # of each math benchmark (60 paired questions). summary.md leads with the paired difference and its CI.
-        # ESTIMATED, not yet measured end to end (2026-12-02, from LOG.md's figures on 2 idle cores): 02 ~64 min (SFT ~20
-        # min, CF-GRPO ~11 min/step); 03 ~20 min (the SFT policy on 60 questions, ~20 s each: ~10 s served spec + ~10 s
-        # execution); 04 ~40 min (CoT small/medium/large ~3/6/12 s per question, the trained policy ~20 s). ~2 h in all.
+        # MEASURED end to end (2026-12-02, 2 idle cores; outputs/reference/cpu-20261202): 01 4 s; 02 42 min (SFT + 4
+        # CF-GRPO steps of 263-511 s); 03 24 min (the SFT policy on 60 questions); 04 50 min (CoT x 3, the trained policy
+        # ~20-30 s per question); 116 min in all (the estimate was ~2 h).
         # 60 pairs resolve a difference of ~0.15-0.2 in accuracy (the CI half-width), not a few points: the capacity the
         # policy picks moves accuracy by ~0.5 on GSM8K (CoT@small 0.00 vs CoT@large 0.53, 30 questions:
         # outputs/reference/baselines-gsm8k-20261130),

@@ -290,7 +290,8 @@ def write_summary(cfg, paths) -> Path:
     a = ablation_table(root, cfg.ablation_variants, cfg.ablation_benchmarks)
     if not a.empty:
         md += ["## Ablation: training variants (notebook 03, paper Table 2 shape)", "",
-               f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start (seed {cfg.train.seed}); "
+               f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start (seed {cfg.train.seed}; "
+               "`sft` = that warm start, no steps); "
                f"evaluated on n = {cfg.ablation_n} EVAL-pool questions per benchmark "
                f"({', '.join(b + ' ' + B.POOL_SPLITS['eval'][b] for b in cfg.ablation_benchmarks)}); "
                f"{models}.", "", md_table(a), ""]
