@@ -158,10 +158,9 @@ def spec_composition(specs: dict[str, dict], reference: str | None = "sft") -> p
         for c in ("small", "medium", "large"):
             row[f"{c} share"] = sum(a.capacity == c for a in agents) / len(agents) if agents else float("nan")
         row["final large"] = float(np.mean([s.agent(s.final).capacity == "large" for s in valid])) if valid else float("nan")
-        if reference in specs and m != reference:
+        if reference in specs:  # the reference's own row names it instead of leaving a nan
             shared = sorted(set(by_q) & set(specs[reference]))
-            row[f"differs from {reference}"] = f"{sum(_shape(by_q[q]) != _shape(specs[reference][q]) for q in shared)}/{len(shared)}"
-        elif m == reference and reference is not None:
-            row[f"differs from {reference}"] = "(reference)"  # not nan: the table says what the column is measured against
+            row[f"differs from {reference}"] = "(reference)" if m == reference else \
+                f"{sum(_shape(by_q[q]) != _shape(specs[reference][q]) for q in shared)}/{len(shared)}"
         out.append(row)
     return pd.DataFrame(out)
