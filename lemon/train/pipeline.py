@@ -56,9 +56,12 @@ def latest_checkpoint(d: Path) -> Path | None:
     return cks[-1] if cks else None
 
 
-def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *, pool=None, progress: bool = True) -> dict:
+def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *, pool=None, progress: bool = True,
+               corpus: list[dict] | None = None) -> dict:
     """Stage 1: SFT warm start into out/ (adapter files + sft.json with corpus stats and valid rate before/after).
-    Skipped (its saved record returned) when out/sft.json exists: rerunning a study resumes instead of redoing."""
+    Skipped (its saved record returned) when out/sft.json exists: rerunning a study resumes instead of redoing.
+    `corpus`: rows an earlier build_corpus wrote (corpus.jsonl), used instead of building one with the workers (the
+    executed corpus is the costly part; SFT on the same rows and seed rebuilds the same adapter)."""
     from lemon.train.sft import build_corpus, run_sft, valid_rate
     out = Path(out)
     if (out / "sft.json").exists():
@@ -69,13 +72,16 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
     drawn = training_examples(replace(cfg, train_questions=n_sft + sft.probe_questions))
     examples, probe = drawn[:n_sft], drawn[n_sft:]
     benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
-    own_pool = pool is None and (sft.filter_by_execution or sft.use_orchestrator)
+    own_pool = pool is None and (sft.filter_by_execution or sft.use_orchestrator) and corpus is None
     if own_pool:
         pool = build_pool(cfg)
     try:
-        rows, stats = build_corpus(examples, benches, prompts, sft, pool=pool,
-                                   caps=ExecutorCaps(max_agents=sft.max_agents, max_tokens=dict(cfg.worker_max_tokens)),
-                                   cache=NodeCache(path=out / "node_cache.jsonl"), progress=progress)
+        if corpus is not None:
+            rows, stats = list(corpus), {"given": len(corpus)}
+        else:
+            rows, stats = build_corpus(examples, benches, prompts, sft, pool=pool,
+                                       caps=ExecutorCaps(max_agents=sft.max_agents, max_tokens=dict(cfg.worker_max_tokens)),
+                                       cache=NodeCache(path=out / "node_cache.jsonl"), progress=progress)
     finally:
         if own_pool:
             pool.close()

@@ -1,0 +1,348 @@
+"""The real-worker CF-GRPO vs global-GRPO comparison (issue 13, deliverable 2), run as a chain of session-sized legs.
+
+Why legs: the comparison is ~10 h of 2 cores (two training arms of ~1 h, ~13 s per greedy spec, ~10-40 s per executed
+question for ~8 methods on 150 questions) and a session here has 3 h with nothing kept but git. Every leg leaves only
+small text in `ref` (outputs/reference/duel-...): the SFT corpus, each arm's training record, each trained policy's
+greedy specs for the evaluation and dev questions, per-question results. Adapters and checkpoints stay in the work folder
+(outputs/duel-cpu, gitignored) and are rebuilt when needed: the warm start from the committed corpus (its adapter sha256
+is compared with the first leg's, so both arms provably start from the same weights, or the mismatch is reported).
+
+The work folder uses the study's layout (lemon.study.runner.StudyPaths; the `cpu-long` profile's config with `steps`
+CF-GRPO steps): the CF arm is train/grpo, the global arm ablations/variants/global, both from train/sft, so the study's
+stages (evaluate, dev examples, summary pieces) apply unchanged.
+
+Legs (each resumable; `status` prints what is missing and the command for it):
+  train --arm cf|global   SFT warm start (built, or rebuilt from ref's corpus), `steps` steps, then the arm's specs
+  specs --arm sft|cf|global   greedy specs (served policy, llguidance) for the eval sample and the dev set
+  exec  --method M        execute committed specs (M = sft | cf | global) or run a baseline (cot@large, ...) on the
+                          eval sample; results.jsonl per benchmark in ref
+  report                  paired comparisons with CIs, learning curves, spec composition, plots -> ref/summary.md
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from lemon.manifest import git_sha, write_json
+from lemon.run.models import file_sha256
+from lemon.study.config import StudyConfig, study_preset
+from lemon.study.runner import ROOT, StudyPaths
+
+ARMS = ("cf", "global")
+POLICIES = ("sft", *ARMS)  # the three trained-policy methods compared on the same questions
+
+
+@dataclass(frozen=True)
+class DuelConfig:
+    """One real-worker CF vs global comparison."""
+
+    steps: int = 10
+    """CF-GRPO steps of each arm (the same for both; cpu-long's design had 15, cut to fit one arm per 3-h session)."""
+    eval_n: int = 50
+    """EVAL-pool questions per math benchmark (150 paired; the cpu profile's 20 per benchmark are a prefix)."""
+    dev_n: int = 5
+    """Held-out TRAIN-pool questions per math benchmark for the learning curve (never trained on)."""
+    dev_steps: tuple[int, ...] = (4,)
+    """Checkpoints (besides step 0 = the warm start and the final step) whose greedy specs are written for the dev set."""
+    seed: int = 0
+    """Seeds data samples, training, and every worker call (both arms alike)."""
+    work: str = "outputs/duel-cpu"
+    """Work folder (adapters, checkpoints, caches; gitignored), relative to the repo root."""
+    ref: str = "outputs/reference/duel-cpu-20261203"
+    """Record kept in git (small text only), relative to the repo root."""
+
+    def __post_init__(self):
+        if self.steps < 1 or self.eval_n < 1 or self.dev_n < 0:
+            raise ValueError("steps and eval_n must be >= 1, dev_n >= 0")
+        bad = [s for s in self.dev_steps if not 0 < s < self.steps or s % 2]
+        if bad:
+            raise ValueError(f"dev_steps {bad}: each must be an even step (checkpoints are saved every 2) below steps="
+                             f"{self.steps}")
+
+    def study(self) -> StudyConfig:
+        """The cpu-long study config this comparison runs (its trainer, SFT, pools and eval caps), resized."""
+        c = study_preset("cpu-long", seed=self.seed)
+        return replace(c, train=replace(c.train, max_steps=self.steps), ablation_steps=self.steps, eval_n=self.eval_n,
+                       ablation_n=self.eval_n, dev_n=self.dev_n, dev_every=2)
+
+    @property
+    def paths(self) -> StudyPaths:
+        return StudyPaths(ROOT / self.work)
+
+    @property
+    def refdir(self) -> Path:
+        return ROOT / self.ref
+
+
+def adapter_sha(adapter: Path) -> str:
+    """sha256 of an adapter's weights file (what makes two warm starts the same policy)."""
+    return file_sha256(Path(adapter) / "adapter_model.safetensors")
+
+
+def arm_dir(d: DuelConfig, arm: str) -> Path:
+    return d.paths.grpo if arm == "cf" else d.paths.variant("global")
+
+
+def log_event(d: DuelConfig, **kw) -> None:
+    """One line per leg action in ref/legs.jsonl: what ran, when, at which commit (the chain's own manifest)."""
+    d.refdir.mkdir(parents=True, exist_ok=True)
+    with open(d.refdir / "legs.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": git_sha(), **kw}) + "\n")
+
+
+def ensure_data(d: DuelConfig) -> dict:
+    """Notebook 01's pools and seeded samples in the work folder (seconds); returns the samples."""
+    from lemon.study.stages import prepare_data
+    cfg, paths = d.study(), d.paths
+    if not paths.samples.exists():
+        prepare_data(cfg, paths)
+    return json.loads(paths.samples.read_text())
+
+
+def ensure_sft(d: DuelConfig, prompts, pool=None) -> dict:
+    """The warm start: built with the workers (first leg: the corpus and its record go to ref/sft), or rebuilt from
+    ref/sft/corpus.jsonl (later legs). Either way its adapter sha256 is checked against ref/sft/sft.json's."""
+    from lemon.train.pipeline import warm_start
+    cfg, paths, ref = d.study(), d.paths, d.refdir / "sft"
+    corpus = None
+    if (ref / "corpus.jsonl").exists():
+        corpus = [json.loads(x) for x in (ref / "corpus.jsonl").read_text().splitlines() if x.strip()]
+    rec = warm_start(cfg.train, cfg.sft, paths.sft, prompts, pool=pool, corpus=corpus)
+    sha = adapter_sha(Path(rec["adapter"]))
+    if (ref / "sft.json").exists():
+        first = json.loads((ref / "sft.json").read_text())
+        same = first["adapter_sha256"] == sha
+        log_event(d, leg="sft", rebuilt_from_corpus=corpus is not None, adapter_sha256=sha, same_as_first_leg=same)
+        if not same:
+            print(f"[duel] WARNING: the rebuilt warm start differs from the first leg's (sha256 {sha[:12]} vs "
+                  f"{first['adapter_sha256'][:12]}): the arms do not start from bit-identical weights; recorded in "
+                  f"{ref / '..' / 'legs.jsonl'}", file=sys.stderr)
+    else:
+        ref.mkdir(parents=True, exist_ok=True)
+        shutil.copy(paths.sft / "corpus.jsonl", ref / "corpus.jsonl")
+        write_json(ref / "sft.json", {**{k: v for k, v in rec.items() if k != "adapter"}, "adapter_sha256": sha})
+        log_event(d, leg="sft", rebuilt_from_corpus=False, adapter_sha256=sha, rows=rec["rows"])
+    return rec
+
+
+def keep_training_record(d: DuelConfig, arm: str) -> None:
+    """Copy an arm's small training files (metrics, rollouts, manifest, the finished record) into ref/<arm>/."""
+    src, dst = arm_dir(d, arm), d.refdir / arm
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "rollouts.jsonl", "manifest.json", "train.json", "cf_sampler.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    if (src / "adapter").exists():
+        write_json(dst / "adapter.json", {"adapter_sha256": adapter_sha(src / "adapter"),
+                                          "note": "weights stay out of git; rerun `bench/duel.py train --arm "
+                                                  f"{arm}` to rebuild them"})
+
+
+def train_arm(d: DuelConfig, arm: str, prompts) -> Path:
+    """SFT warm start, then `steps` steps of the arm from it (resumable from the work folder's checkpoints)."""
+    from lemon.study.stages import train_variant
+    from lemon.train.pipeline import build_pool, train
+    if arm not in ARMS:
+        raise ValueError(f"arm {arm!r}; valid: {', '.join(ARMS)}")
+    cfg, paths = d.study(), d.paths
+    ensure_data(d)
+    pool = build_pool(cfg.train)
+    t0 = time.time()
+    try:
+        sft = ensure_sft(d, prompts, pool)
+        if arm == "cf":
+            res = train(cfg.train, paths.grpo, prompts, pool=pool, init_adapter=sft["adapter"])
+            adapter = Path(res["adapter"])
+        else:
+            adapter = train_variant(cfg, paths, "global", prompts, pool)
+    finally:
+        pool.close()
+    keep_training_record(d, arm)
+    log_event(d, leg="train", arm=arm, steps=d.steps, seconds=round(time.time() - t0))
+    return adapter
+
+
+# ---- greedy specs of a trained policy (need its adapter: same leg as its training) ----------------------------------
+def spec_points(d: DuelConfig, arm: str) -> list[tuple[int, Path, tuple[str, ...]]]:
+    """(step, adapter, question sets) whose greedy specs a policy writes: the warm start ('sft', step 0) for the eval
+    sample and the dev set; an arm's final adapter for both, its dev_steps checkpoints for the dev set. Final first: it
+    is what the comparison needs most."""
+    paths = d.paths
+    if arm == "sft":
+        return [(0, paths.sft, ("eval", "dev"))]
+    run = arm_dir(d, arm)
+    return [(d.steps, run / "adapter", ("eval", "dev")),
+            *[(s, run / "grpo" / f"checkpoint-{s}", ("dev",)) for s in d.dev_steps]]
+
+
+def spec_file(d: DuelConfig, arm: str, step: int, which: str) -> Path:
+    return d.refdir / "specs" / f"{arm}-step{step}-{which}.jsonl"
+
+
+def question_sets(d: DuelConfig) -> dict[str, dict[str, list]]:
+    """{'eval': the seeded EVAL-pool sample, 'dev': held-out TRAIN-pool questions}, each {benchmark: [Example]}."""
+    from lemon.study.runner import load_samples
+    from lemon.study.stages import dev_examples
+    ensure_data(d)
+    cfg = d.study()
+    return {"eval": load_samples(cfg, d.paths, "eval"), "dev": dev_examples(cfg) if d.dev_n else {}}
+
+
+def qkey(question: str) -> str:
+    return hashlib.sha256(question.encode()).hexdigest()
+
+
+def read_jsonl(p: Path) -> list[dict]:
+    return [json.loads(x) for x in Path(p).read_text().splitlines() if x.strip()] if Path(p).exists() else []
+
+
+def write_specs(d: DuelConfig, arm: str, prompts, *, writer_factory=None, progress: bool = True) -> int:
+    """Greedy specs of `arm` at each spec_points entry into ref/specs/<arm>-step<k>-<set>.jsonl (resumable: rows already
+    there are kept). writer_factory(cfg, adapter, name) -> writer (default: the study's LazyPolicyWriter, served).
+    Returns the number of specs written by this call."""
+    from lemon import benchmarks as B
+    from lemon.study.stages import LazyPolicyWriter
+    from tqdm.auto import tqdm
+    cfg, sets, n_new = d.study(), question_sets(d), 0
+    factory = writer_factory or (lambda c, a, n: LazyPolicyWriter(c, a, n))
+    for step, adapter, which in spec_points(d, arm):
+        if not Path(adapter).exists():
+            raise FileNotFoundError(f"{adapter}: arm {arm!r} at step {step} is not trained in {d.paths.root}; run "
+                                    f"`bench/duel.py train --arm {arm if arm != 'sft' else 'cf'}` on this machine first")
+        sha = adapter_sha(adapter)
+        writer = factory(cfg, Path(adapter), f"{arm}-step{step}")
+        try:
+            for w in which:
+                out = spec_file(d, arm, step, w)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                done = {(r["benchmark"], r["id"]) for r in read_jsonl(out)}
+                todo = [e for exs in sets[w].values() for e in exs if (e.benchmark, e.id) not in done]
+                for e in tqdm(todo, desc=f"specs {arm} step {step} {w}", disable=not progress):
+                    t0 = time.perf_counter()
+                    prop = writer.propose(e.question, B.get_benchmark(e.benchmark).domain, prompts, seed=d.seed)
+                    row = {"benchmark": e.benchmark, "id": e.id, "question_sha256": qkey(e.question), "text": prop.text,
+                           "valid": prop.spec is not None, "error": prop.error, "prompt_tokens": prop.prompt_tokens,
+                           "completion_tokens": prop.completion_tokens, "arm": arm, "step": step,
+                           "adapter_sha256": sha, "seconds": round(time.perf_counter() - t0, 2)}
+                    with open(out, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    n_new += 1
+        finally:
+            writer.close()
+    log_event(d, leg="specs", arm=arm, written=n_new)
+    return n_new
+
+
+class ReplayWriter:
+    """A spec writer that returns specs a policy wrote earlier (ref/specs/*.jsonl), looked up by the question's sha256:
+    executing a trained policy's greedy specs needs no adapter, so it can run in any later session. The spec is parsed
+    again exactly as the served writer parsed it; a question with no recorded spec is an error, never a silent skip."""
+
+    def __init__(self, path: Path, name: str, max_agents: int):
+        self.rows = {r["question_sha256"]: r for r in read_jsonl(path)}
+        if not self.rows:
+            raise FileNotFoundError(f"{path}: no recorded specs (write them first: bench/duel.py specs)")
+        self.name, self.max_agents, self.path = name, max_agents, path
+
+    def propose(self, task: str, domain: str, prompts, seed: int = 0):
+        from lemon.eval.orchestrator import SpecProposal
+        from lemon.spec import SpecError, parse_spec
+        r = self.rows.get(qkey(task))
+        if r is None:
+            raise KeyError(f"{self.path} has no spec for this question (sha256 {qkey(task)[:12]}): the specs were written "
+                           "for another question sample")
+        try:
+            spec = parse_spec(r["text"], base_roles=prompts.roles_for(domain), max_agents=self.max_agents)
+            return SpecProposal(r["text"], spec, None, None, r["prompt_tokens"], r["completion_tokens"])
+        except SpecError as e:
+            return SpecProposal(r["text"], None, str(e), e.code, r["prompt_tokens"], r["completion_tokens"])
+
+    def close(self) -> None:
+        pass
+
+
+# ---- execution and baselines (no adapter needed: any leg) ------------------------------------------------------------
+def eval_dir(d: DuelConfig, method: str, benchmark: str, which: str = "eval", step: int | None = None) -> Path:
+    if which == "dev":
+        return d.refdir / "dev" / f"{method}-step{step}" / benchmark
+    return d.refdir / "eval" / method / benchmark
+
+
+def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = True) -> list[dict]:
+    """Evaluate one method on the eval sample into ref/eval/<method>/<benchmark>/ (resumable): a policy (sft / cf /
+    global: its recorded final specs, executed) or any study eval method without an adapter (cot@large, sc-cot@medium,
+    complete@medium, prompted, ...). For a policy also its dev-set specs at every recorded step, into ref/dev/."""
+    from lemon import benchmarks as B
+    from lemon.eval.runner import EvalConfig, run_eval
+    from lemon.study.stages import eval_caps, evaluate, orch_config
+    cfg, sets = d.study(), question_sets(d)
+    if method not in POLICIES:
+        sums = evaluate(cfg, d.paths, method, sets["eval"], pool, prompts, progress=progress,
+                        out_of=lambda b: eval_dir(d, method, b))
+        for b in sets["eval"]:
+            (eval_dir(d, method, b) / "node_cache.jsonl").unlink(missing_ok=True)  # see below
+        return sums
+    sums = []
+    for step, _, which in spec_points(d, method):
+        for w in which:
+            writer = ReplayWriter(spec_file(d, method, step, w), f"replay:{method}-step{step}", cfg.train.max_agents)
+            for b, exs in sets[w].items():
+                ecfg = EvalConfig("orchestrator", b, B.POOL_SPLITS["eval" if w == "eval" else "train"][b], seed=d.seed,
+                                  capacity=cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
+                out = eval_dir(d, method, b, w, step)
+                s = run_eval(ecfg, pool, prompts, out, caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
+                             examples=exs, progress=progress)
+                (out / "node_cache.jsonl").unlink(missing_ok=True)  # worker outputs are in results.jsonl; keep git small
+                sums.append({**s, "method": method, "set": w, "step": step})
+    return sums
+
+
+def main(argv=None) -> int:
+    from lemon.prompts import default_prompts
+    ap = argparse.ArgumentParser(prog="bench/duel.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="SFT warm start + one arm's steps, then (unless --no-specs) its greedy specs")
+    t.add_argument("--arm", required=True, choices=ARMS)
+    t.add_argument("--no-specs", action="store_true")
+    s = sub.add_parser("specs", help="greedy specs of a trained policy (its adapter must be in the work folder)")
+    s.add_argument("--arm", required=True, choices=POLICIES)
+    e = sub.add_parser("exec", help="execute a policy's recorded specs, or run a baseline, on the eval sample")
+    e.add_argument("methods", nargs="+", help="sft | cf | global | a study eval method (cot@large, sc-cot@medium, ...)")
+    sub.add_parser("report", help="paired comparisons, learning curves, spec composition, plots -> ref/summary.md")
+    sub.add_parser("status", help="what is missing, with the command for each")
+    a = ap.parse_args(argv)
+    d = DuelConfig()
+    prompts = default_prompts()
+    print(f"[duel] {d}")
+    if a.cmd == "train":
+        adapter = train_arm(d, a.arm, prompts)
+        print(f"[duel] arm {a.arm}: adapter {adapter} (sha256 {adapter_sha(adapter)[:12]})")
+        if not a.no_specs:
+            print(f"[duel] {write_specs(d, a.arm, prompts)} specs written")
+    elif a.cmd == "specs":
+        print(f"[duel] {write_specs(d, a.arm, prompts)} specs written")
+    elif a.cmd == "exec":
+        from lemon.study.stages import eval_pool
+        pool = eval_pool(d.study())
+        try:
+            for m in a.methods:
+                t0 = time.time()
+                sums = run_method(d, m, prompts, pool)
+                log_event(d, leg="exec", method=m, seconds=round(time.time() - t0),
+                          n={f"{s.get('set', 'eval')}/{s['benchmark']}": s["n"] for s in sums})
+        finally:
+            pool.close()
+    elif a.cmd == "status":
+        from lemon.study.duel_report import missing
+        for m in missing(d) or ["nothing missing: run `bench/duel.py report`"]:
+            print(f"[duel] {m}")
+    elif a.cmd == "report":
+        from lemon.study.duel_report import report
+        print(f"[duel] summary: {report(d, prompts)}")
+    return 0
