@@ -129,3 +129,25 @@ def test_replay_writer_refuses_unknown_questions(tmp_path):
 def test_capacity_share_counts_agents():
     assert capacity_share([SPEC, SPEC.replace("large", "medium")]) == 0.5
     assert capacity_share([]) != capacity_share([])  # nan: nothing sampled
+
+
+def test_warm_start_rebuilt_from_a_committed_corpus_is_the_same_adapter(tmp_path):
+    """The chain's premise: the second arm's leg rebuilds the first leg's warm start from its corpus alone (no workers),
+    bit for bit (seeded fresh LoRA, seeded SFT), on a tiny random Qwen2."""
+    from dataclasses import replace
+    from _tiny import tiny_model
+    from lemon.train.config import sft_preset, train_preset
+    from lemon.train.pipeline import warm_start
+    from lemon.train.policy import PolicyConfig
+    tiny_model(tmp_path / "tiny")
+    cfg = train_preset("smoke", policy=PolicyConfig(model=str(tmp_path / "tiny"), backend="transformers", lora_r=4,
+                                                    lora_alpha=8), max_completion_length=24, constrained=False)
+    sft = replace(sft_preset("smoke"), probe_questions=1, epochs=1.0)
+    corpus = [{"prompt": [{"role": "user", "content": f"question {i}"}],
+               "completion": [{"role": "assistant", "content": SPEC}], "example_id": f"gsm8k/train/{i}"} for i in range(2)]
+    shas = []
+    for run in ("a", "b"):
+        rec = warm_start(cfg, sft, tmp_path / run, default_prompts(), corpus=corpus, progress=False)
+        assert rec["rows"] == 2 and rec["corpus"] == {"given": 2}
+        shas.append(duel.adapter_sha(Path(rec["adapter"])))
+    assert shas[0] == shas[1]

@@ -37,6 +37,20 @@ def test_warm_start_adapter_is_loaded_not_dropped(tmp_path):
     assert any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
 
 
+def test_seeded_fresh_lora_is_the_same_in_every_process(tmp_path):
+    """A fresh LoRA's A matrices are random: with `seed` two loads draw the same ones whatever the RNG did before (so
+    an SFT warm start rebuilt from the same corpus is the same adapter), without it they differ."""
+    tiny_model(tmp_path / "tiny")
+    cfg = PolicyConfig(model=str(tmp_path / "tiny"), backend="transformers", lora_r=4, lora_alpha=8)
+    lora_a = lambda m: {k: v.clone() for k, v in m.state_dict().items() if "lora_A" in k}  # noqa: E731
+    a = lora_a(load_policy(cfg, seed=7)[0])
+    torch.rand(100)  # the global RNG moved on, as it does between a build and a rebuild
+    b = lora_a(load_policy(cfg, seed=7)[0])
+    c = lora_a(load_policy(cfg)[0])
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
 def test_mismatched_adapter_is_refused(tmp_path):
     tiny_model(tmp_path / "tiny")
     _lora(tmp_path / "tiny", 8).save_pretrained(tmp_path / "r8")

@@ -78,6 +78,9 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
     try:
         if corpus is not None:
             rows, stats = list(corpus), {"given": len(corpus)}
+        elif (out / "corpus.jsonl").exists() and (out / "corpus_stats.json").exists():  # built before an interruption
+            rows = [json.loads(x) for x in (out / "corpus.jsonl").read_text().splitlines() if x.strip()]
+            stats = json.loads((out / "corpus_stats.json").read_text())
         else:
             rows, stats = build_corpus(examples, benches, prompts, sft, pool=pool,
                                        caps=ExecutorCaps(max_agents=sft.max_agents, max_tokens=dict(cfg.worker_max_tokens)),
@@ -88,7 +91,8 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
     with open(out / "corpus.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    model, tok = load_policy(cfg.policy)
+    write_json(out / "corpus_stats.json", stats)
+    model, tok = load_policy(cfg.policy, seed=sft.seed)  # seeded fresh LoRA: the same corpus rebuilds the same adapter
     before = valid_rate(model, tok, probe, benches, prompts, max_agents=cfg.max_agents,
                         max_new_tokens=cfg.max_completion_length, progress=progress)
     res = run_sft(model, tok, rows, sft, out, progress=progress)
@@ -144,7 +148,7 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
                                                          extra={"train_ids": [e.id for e in examples],
                                                                 "policy_backend": backend,
                                                                 "scorer": getattr(scorer_factory, "name", "SpecScorer")}))
-    model, tok = load_policy(cfg.policy, adapter=init_adapter)
+    model, tok = load_policy(cfg.policy, adapter=init_adapter, seed=cfg.seed)
     caps = ExecutorCaps(max_agents=cfg.max_agents, max_tokens=dict(cfg.worker_max_tokens),
                         task_token_budget=cfg.task_token_budget)
     scorer = (scorer_factory or SpecScorer)(

@@ -103,9 +103,14 @@ def load_adapter_weights(model, adapter: str | Path) -> int:
     return len(state)
 
 
-def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | None = None):
-    """(model, tokenizer). With lora=True the model is a peft model with fresh adapters (or `adapter` loaded, trainable)."""
+def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | None = None, seed: int | None = None):
+    """(model, tokenizer). With lora=True the model is a peft model with fresh adapters (or `adapter` loaded, trainable).
+    `seed` seeds torch before fresh adapters are drawn (LoRA A is random; B is zero): without it two processes start
+    from different LoRA weights, so an SFT warm start could not be rebuilt bit for bit (LOG.md 2026-12-03)."""
+    import torch
     backend = resolve_backend(cfg)
+    if seed is not None:
+        torch.manual_seed(seed)
     path = str(converted_dir(cfg.model)) if cfg.model in SHIPPED else cfg.model
     if backend == "unsloth":
         from unsloth import FastLanguageModel
@@ -116,7 +121,6 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
             if adapter is not None:
                 load_adapter_weights(model, adapter)  # the warm start, into Unsloth's own LoRA modules
         return model, tok
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
