@@ -103,6 +103,11 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     assert len(backend.calls) == n_calls
     duel.run_method(d, "sft", prompts, pool, progress=False)
     duel.run_method(d, "cot@large", prompts, pool, progress=False)
+    duel.run_method(d, "best-fixed", prompts, pool, progress=False)  # chosen on TRAIN-pool questions, kept in ref/select
+    choice = json.loads((d.refdir / "select" / "choice.json").read_text())
+    assert choice["chosen"] in d.study().fixed_candidates and all("/train/" in i for v in choice["dev_ids"].values() for i in v)
+    assert len(duel.read_jsonl(duel.eval_dir(d, "best-fixed", "gsm8k") / "results.jsonl")) == 2
+    assert not list(d.refdir.rglob("node_cache.jsonl"))
     miss = missing(d)
     assert any(m.startswith("arm cf: not trained") for m in miss) and any("global step 4: 0/6 eval specs" in m for m in miss)
     assert any(m.startswith("global: 0/6 eval questions") for m in miss) and not any(m.startswith("cf: ") for m in miss)

@@ -89,11 +89,18 @@ def arm_dir(d: DuelConfig, arm: str) -> Path:
     return d.paths.grpo if arm == "cf" else d.paths.variant("global")
 
 
+def cpu_id() -> str:
+    """The CPU's model name and a digest of its flags: float results (so a rebuilt adapter's bits) can differ across CPUs."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    field = lambda k: next((x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith(k)), "?")  # noqa: E731
+    return f"{field('model name')} flags:{hashlib.sha256(field('flags').encode()).hexdigest()[:8]}"
+
+
 def log_event(d: DuelConfig, **kw) -> None:
-    """One line per leg action in ref/legs.jsonl: what ran, when, at which commit (the chain's own manifest)."""
+    """One line per leg action in ref/legs.jsonl: what ran, when, at which commit, on which CPU (the chain's manifest)."""
     d.refdir.mkdir(parents=True, exist_ok=True)
     with open(d.refdir / "legs.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": git_sha(), **kw}) + "\n")
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": git_sha(), "cpu": cpu_id(), **kw}) + "\n")
 
 
 def ensure_data(d: DuelConfig) -> dict:
@@ -280,10 +287,16 @@ def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = Tr
     complete@medium, prompted, ...). For a policy also its dev-set specs at every recorded step, into ref/dev/."""
     from lemon import benchmarks as B
     from lemon.eval.runner import EvalConfig, run_eval
-    from lemon.study.stages import eval_caps, evaluate, orch_config
+    from lemon.study.config import FIXED
+    from lemon.study.stages import eval_caps, evaluate, orch_config, select_fixed
     cfg, sets = d.study(), question_sets(d)
     if method not in POLICIES:
-        sums = evaluate(cfg, d.paths, method, sets["eval"], pool, prompts, progress=progress,
+        run_as = method
+        if method == FIXED:  # chosen on TRAIN-pool questions; the choice and its candidates' rows are kept in ref/select
+            run_as = select_fixed(cfg, StudyPaths(d.refdir), pool, prompts, progress=progress)
+            for p in (d.refdir / "select").rglob("node_cache.jsonl"):
+                p.unlink()
+        sums = evaluate(cfg, d.paths, run_as, sets["eval"], pool, prompts, progress=progress,
                         out_of=lambda b: eval_dir(d, method, b))
         for b in sets["eval"]:
             (eval_dir(d, method, b) / "node_cache.jsonl").unlink(missing_ok=True)  # see below

@@ -19,7 +19,7 @@ from lemon.study.plots import md_table
 from lemon.study.duel import (ARMS, POLICIES, DuelConfig, eval_dir, question_sets, read_jsonl, spec_file,
                               spec_points)
 
-BASELINE_ORDER = ("cot@small", "cot@medium", "cot@large", "sc-cot@medium", "complete@medium", "prompted")
+BASELINE_ORDER = ("cot@small", "cot@medium", "cot@large", "sc-cot@medium", "complete@medium", "prompted", "best-fixed")
 
 
 def evaluated(d: DuelConfig) -> dict[str, dict[str, list[dict]]]:
@@ -83,7 +83,7 @@ def capacity_share(texts: list[str], capacity: str = "large") -> float:
 
 def training_curves(d: DuelConfig) -> pd.DataFrame:
     """Per arm and step: mean reward and success of the kept rollouts, the share of large agents they sampled, CF terms
-    that reached the loss, the step's sampling + scoring + CF seconds."""
+    that reached the loss, the step's sampling + scoring + CF seconds (loss and backward not included)."""
     rows = []
     for arm in ARMS:
         roll = read_jsonl(d.refdir / arm / "rollouts.jsonl")
@@ -92,7 +92,7 @@ def training_curves(d: DuelConfig) -> pd.DataFrame:
                 texts = [r["text"] for r in roll if r["step"] == m["step"] and r.get("kept", True)]
                 rows.append({"arm": arm, "step": m["step"], "reward": m["reward"], "success": m.get("rollouts/success"),
                              "large share": capacity_share(texts), "cf active": m.get("cf/active"),
-                             "step s": sum(m.get(k, 0) or 0 for k in ("step/sample_s", "step/score_s", "step/cf_s"))})
+                             "sample+score+cf s": sum(m.get(k, 0) or 0 for k in ("step/sample_s", "step/score_s", "step/cf_s"))})
     return pd.DataFrame(rows)
 
 
@@ -216,7 +216,7 @@ def report(d: DuelConfig, prompts) -> Path:
     lines += [f"![]({f})" for f in figs] + [""]
     miss = missing(d)
     lines += ["## Not done yet", ""] + ([f"- {m}" for m in miss] or ["- nothing: every leg has run"]) + [""]
-    lines += ["## Legs (ref/legs.jsonl)", "", md(pd.DataFrame(legs)), ""]
+    lines += ["## Legs (ref/legs.jsonl)", "", md(pd.DataFrame(legs).fillna("").astype(str)), ""]
     out = d.refdir / "summary.md"
     out.write_text("\n".join(lines))
     (d.refdir / "summary.json").write_text(json.dumps({"paired": pt.to_dict("records"), "dev": dev.to_dict("records"),
