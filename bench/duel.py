@@ -13,12 +13,61 @@ lemon.study.duel; this script is its command line.
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemon.study.duel import main  # noqa: E402
+from lemon.study.duel import (ARMS, POLICIES, DuelConfig, adapter_sha, log_event, run_method,  # noqa: E402
+                              train_arm, write_specs)
+
+
+def main(argv=None) -> int:
+    from lemon.prompts import default_prompts
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="SFT warm start + one arm's steps, then (unless --no-specs) its greedy specs")
+    t.add_argument("--arm", required=True, choices=ARMS)
+    t.add_argument("--no-specs", action="store_true")
+    s = sub.add_parser("specs", help="greedy specs of a trained policy (its adapter must be in the work folder)")
+    s.add_argument("--arm", required=True, choices=POLICIES)
+    e = sub.add_parser("exec", help="execute a policy's recorded specs, or run a baseline, on the eval sample")
+    e.add_argument("methods", nargs="+", help="sft | cf | global | a study eval method (cot@large, sc-cot@medium, ...)")
+    sub.add_parser("report", help="paired comparisons, learning curves, spec composition, plots -> ref/summary.md")
+    sub.add_parser("status", help="what is missing, with the command for each")
+    a = ap.parse_args(argv)
+    d = DuelConfig()
+    prompts = default_prompts()
+    print(f"[duel] {d}")
+    if a.cmd == "train":
+        adapter = train_arm(d, a.arm, prompts)
+        print(f"[duel] arm {a.arm}: adapter {adapter} (sha256 {adapter_sha(adapter)[:12]})")
+        if not a.no_specs:
+            print(f"[duel] {write_specs(d, a.arm, prompts)} specs written")
+    elif a.cmd == "specs":
+        print(f"[duel] {write_specs(d, a.arm, prompts)} specs written")
+    elif a.cmd == "exec":
+        from lemon.study.stages import eval_pool
+        pool = eval_pool(d.study())
+        try:
+            for m in a.methods:
+                t0 = time.time()
+                sums = run_method(d, m, prompts, pool)
+                log_event(d, leg="exec", method=m, seconds=round(time.time() - t0),
+                          n={f"{s.get('set', 'eval')}/{s['benchmark']}": s["n"] for s in sums})
+        finally:
+            pool.close()
+    elif a.cmd == "status":
+        from lemon.study.duel_report import missing
+        for m in missing(d) or ["nothing missing: run `bench/duel.py report`"]:
+            print(f"[duel] {m}")
+    elif a.cmd == "report":
+        from lemon.study.duel_report import report
+        print(f"[duel] summary: {report(d, prompts)}")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
