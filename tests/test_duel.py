@@ -111,6 +111,10 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     miss = missing(d)
     assert any(m.startswith("arm cf: not trained") for m in miss) and any("global step 4: 0/6 eval specs" in m for m in miss)
     assert any(m.startswith("global: 0/6 eval questions") for m in miss) and not any(m.startswith("cf: ") for m in miss)
+    f = duel.spec_file(d, "sft", 0, "dev")
+    rows = duel.read_jsonl(f)
+    f.write_text("".join(json.dumps({**r, "adapter_sha256": "f" * 64} if i == 0 else r) + "\n" for i, r in enumerate(rows)))
+    assert any("sft step 0 dev specs come from 2 different adapters" in m for m in missing(d))
     out = report(d, prompts)
     text = out.read_text()
     assert "| cf | sft |" in text and "| cf | cot@large |" in text and "## Not done yet" in text

@@ -126,7 +126,11 @@ def missing(d: DuelConfig) -> list[str]:
     for arm in POLICIES:
         for step, _, which in spec_points(d, arm):
             for w in which:
-                n = len(read_jsonl(spec_file(d, arm, step, w)))
+                rows = read_jsonl(spec_file(d, arm, step, w))
+                n, shas = len(rows), sorted({r["adapter_sha256"][:12] for r in rows})
+                if len(shas) > 1:  # e.g. a warm start rebuilt on another CPU finished the file: not one policy's specs
+                    out.append(f"{arm} step {step} {w} specs come from {len(shas)} different adapters ({', '.join(shas)}): "
+                               "rewrite them with one (delete the file, rerun `bench/duel.py specs`)")
                 if n < need[w]:
                     out.append(f"{arm} step {step}: {n}/{need[w]} {w} specs (`bench/duel.py specs --arm {arm}`, needs the "
                                f"adapter: same machine as its training)")
