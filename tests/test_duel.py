@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lemon.eval.orchestrator import SpecProposal
+from lemon.eval.runner import read_rows
 from lemon.prompts import CAPACITIES, default_prompts
 from lemon.run.workers import FakeBackend, WorkerPool
 from lemon.spec import parse_spec
@@ -73,11 +74,11 @@ def test_specs_are_written_per_point_and_resume(tmp_path):
     n_eval, n_dev = 2 * 3, 1 * 3  # 3 math benchmarks
     assert n == n_eval + n_dev + n_dev  # final: eval + dev; checkpoint-2: dev
     assert Writer.seen == ["adapter"] * (n_eval + n_dev) + ["checkpoint-2"] * n_dev
-    rows = duel.read_jsonl(duel.spec_file(d, "cf", 4, "eval"))
+    rows = read_rows(duel.spec_file(d, "cf", 4, "eval"))
     assert len(rows) == n_eval and {r["benchmark"] for r in rows} == {"multiarith", "svamp", "gsm8k"}
     assert all(r["adapter_sha256"] == duel.adapter_sha(d.paths.grpo / "adapter") for r in rows)
     assert sum(not r["valid"] for r in rows) == 2
-    dev_ids = {r["id"] for r in duel.read_jsonl(duel.spec_file(d, "cf", 2, "dev"))}
+    dev_ids = {r["id"] for r in read_rows(duel.spec_file(d, "cf", 2, "dev"))}
     assert all("/train/" in i for i in dev_ids)  # dev = held-out TRAIN-pool questions
     assert duel.write_specs(d, "cf", prompts, writer_factory=Writer, progress=False) == 0  # resumed: nothing redone
     assert [json.loads(x)["leg"] for x in (d.refdir / "legs.jsonl").read_text().splitlines()] == ["specs", "specs"]
@@ -95,7 +96,7 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     pool = WorkerPool({c: backend for c in CAPACITIES})
     sums = duel.run_method(d, "cf", prompts, pool, progress=False)
     assert [(s["set"], s["step"]) for s in sums] == [("eval", 4)] * 3 + [("dev", 4)] * 3 + [("dev", 2)] * 3
-    rows = [r for b in ("multiarith", "svamp", "gsm8k") for r in duel.read_jsonl(duel.eval_dir(d, "cf", b) / "results.jsonl")]
+    rows = [r for b in ("multiarith", "svamp", "gsm8k") for r in read_rows(duel.eval_dir(d, "cf", b) / "results.jsonl")]
     assert len(rows) == 6 and sum(bool(r["spec_error"]) for r in rows) == 2  # invalid specs are scored, not skipped
     assert all(r["spec"] for r in rows) and not list((d.refdir / "eval").rglob("node_cache.jsonl"))
     n_calls = len(backend.calls)
@@ -106,13 +107,13 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     duel.run_method(d, "best-fixed", prompts, pool, progress=False)  # chosen on TRAIN-pool questions, kept in ref/select
     choice = json.loads((d.refdir / "select" / "choice.json").read_text())
     assert choice["chosen"] in d.study().fixed_candidates and all("/train/" in i for v in choice["dev_ids"].values() for i in v)
-    assert len(duel.read_jsonl(duel.eval_dir(d, "best-fixed", "gsm8k") / "results.jsonl")) == 2
+    assert len(read_rows(duel.eval_dir(d, "best-fixed", "gsm8k") / "results.jsonl")) == 2
     assert not list(d.refdir.rglob("node_cache.jsonl"))
     miss = missing(d)
     assert any(m.startswith("arm cf: not trained") for m in miss) and any("global step 4: 0/6 eval specs" in m for m in miss)
     assert any(m.startswith("global: 0/6 eval questions") for m in miss) and not any(m.startswith("cf: ") for m in miss)
     f = duel.spec_file(d, "sft", 0, "dev")
-    rows = duel.read_jsonl(f)
+    rows = read_rows(f)
     f.write_text("".join(json.dumps({**r, "adapter_sha256": "f" * 64} if i == 0 else r) + "\n" for i, r in enumerate(rows)))
     assert any("sft step 0 dev specs come from 2 different adapters" in m for m in missing(d))
     out = report(d, prompts)

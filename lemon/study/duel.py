@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lemon.eval.runner import read_rows
 from lemon.manifest import git_sha, write_json
 from lemon.run.models import file_sha256
 from lemon.study.config import StudyConfig, study_preset
@@ -116,9 +117,7 @@ def ensure_sft(d: DuelConfig, prompts, pool=None) -> dict:
     ref/sft/corpus.jsonl (later legs). Either way its adapter sha256 is checked against ref/sft/sft.json's."""
     from lemon.train.pipeline import warm_start
     cfg, paths, ref = d.study(), d.paths, d.refdir / "sft"
-    corpus = None
-    if (ref / "corpus.jsonl").exists():
-        corpus = [json.loads(x) for x in (ref / "corpus.jsonl").read_text().splitlines() if x.strip()]
+    corpus = read_rows(ref / "corpus.jsonl") or None
     rec = warm_start(cfg.train, cfg.sft, paths.sft, prompts, pool=pool, corpus=corpus)
     sha = adapter_sha(Path(rec["adapter"]))
     if (ref / "sft.json").exists():
@@ -204,10 +203,6 @@ def qkey(question: str) -> str:
     return hashlib.sha256(question.encode()).hexdigest()
 
 
-def read_jsonl(p: Path) -> list[dict]:
-    return [json.loads(x) for x in Path(p).read_text().splitlines() if x.strip()] if Path(p).exists() else []
-
-
 def write_specs(d: DuelConfig, arm: str, prompts, *, writer_factory=None, progress: bool = True) -> int:
     """Greedy specs of `arm` at each spec_points entry into ref/specs/<arm>-step<k>-<set>.jsonl (resumable: rows already
     there are kept). writer_factory(cfg, adapter, name) -> writer (default: the study's LazyPolicyWriter, served).
@@ -227,7 +222,7 @@ def write_specs(d: DuelConfig, arm: str, prompts, *, writer_factory=None, progre
             for w in which:
                 out = spec_file(d, arm, step, w)
                 out.parent.mkdir(parents=True, exist_ok=True)
-                done = {(r["benchmark"], r["id"]) for r in read_jsonl(out)}
+                done = {(r["benchmark"], r["id"]) for r in read_rows(out)}
                 todo = [e for exs in sets[w].values() for e in exs if (e.benchmark, e.id) not in done]
                 for e in tqdm(todo, desc=f"specs {arm} step {step} {w}", disable=not progress):
                     t0 = time.perf_counter()
@@ -251,7 +246,7 @@ class ReplayWriter:
     again exactly as the served writer parsed it; a question with no recorded spec is an error, never a silent skip."""
 
     def __init__(self, path: Path, name: str, max_agents: int):
-        self.rows = {r["question_sha256"]: r for r in read_jsonl(path)}
+        self.rows = {r["question_sha256"]: r for r in read_rows(path)}
         if not self.rows:
             raise FileNotFoundError(f"{path}: no recorded specs (write them first: bench/duel.py specs)")
         self.name, self.max_agents, self.path = name, max_agents, path

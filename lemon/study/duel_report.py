@@ -16,8 +16,8 @@ import pandas as pd
 
 from lemon.study.compare import comparisons, load_rows, spec_composition
 from lemon.study.plots import md_table
-from lemon.study.duel import (ARMS, POLICIES, DuelConfig, eval_dir, question_sets, read_jsonl, spec_file,
-                              spec_points)
+from lemon.eval.runner import read_rows
+from lemon.study.duel import ARMS, POLICIES, DuelConfig, eval_dir, question_sets, spec_file, spec_points
 
 BASELINE_ORDER = ("cot@small", "cot@medium", "cot@large", "sc-cot@medium", "complete@medium", "prompted", "best-fixed")
 
@@ -68,7 +68,7 @@ def dev_curves(d: DuelConfig) -> pd.DataFrame:
         for step, _, which in spec_points(d, arm):
             if "dev" not in which:
                 continue
-            rs = [r for b in d.study().train.benchmarks for r in read_jsonl(eval_dir(d, arm, b, "dev", step) / "results.jsonl")]
+            rs = [r for b in d.study().train.benchmarks for r in read_rows(eval_dir(d, arm, b, "dev", step) / "results.jsonl")]
             if rs:
                 rows.append({"policy": arm, "step": step, "n": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs),
                              "worker tokens": sum(r["tokens"] for r in rs) / len(rs)})
@@ -86,8 +86,8 @@ def training_curves(d: DuelConfig) -> pd.DataFrame:
     that reached the loss, the step's sampling + scoring + CF seconds (loss and backward not included)."""
     rows = []
     for arm in ARMS:
-        roll = read_jsonl(d.refdir / arm / "rollouts.jsonl")
-        for m in read_jsonl(d.refdir / arm / "metrics.jsonl"):
+        roll = read_rows(d.refdir / arm / "rollouts.jsonl")
+        for m in read_rows(d.refdir / arm / "metrics.jsonl"):
             if "reward" in m:
                 texts = [r["text"] for r in roll if r["step"] == m["step"] and r.get("kept", True)]
                 rows.append({"arm": arm, "step": m["step"], "reward": m["reward"], "success": m.get("rollouts/success"),
@@ -104,7 +104,7 @@ def recorded_specs(d: DuelConfig, prompts, which: str = "eval") -> dict[str, dic
     for arm in POLICIES:
         step = 0 if arm == "sft" else d.steps
         specs = {}
-        for r in read_jsonl(spec_file(d, arm, step, which)):
+        for r in read_rows(spec_file(d, arm, step, which)):
             try:
                 specs[(r["benchmark"], r["id"])] = parse_spec(r["text"], base_roles=prompts.roles_for(
                     B.get_benchmark(r["benchmark"]).domain), max_agents=d.study().train.max_agents)
@@ -126,7 +126,7 @@ def missing(d: DuelConfig) -> list[str]:
     for arm in POLICIES:
         for step, _, which in spec_points(d, arm):
             for w in which:
-                rows = read_jsonl(spec_file(d, arm, step, w))
+                rows = read_rows(spec_file(d, arm, step, w))
                 n, shas = len(rows), sorted({r["adapter_sha256"][:12] for r in rows})
                 if len(shas) > 1:  # e.g. a warm start rebuilt on another CPU finished the file: not one policy's specs
                     out.append(f"{arm} step {step} {w} specs come from {len(shas)} different adapters ({', '.join(shas)}): "
@@ -196,7 +196,7 @@ def report(d: DuelConfig, prompts) -> Path:
     md = lambda df: md_table(df) if not df.empty else "(nothing recorded yet)"  # noqa: E731
     pt = paired_table(d, ev)
     comp = spec_composition(recorded_specs(d, prompts), reference="sft")
-    legs = read_jsonl(d.refdir / "legs.jsonl")
+    legs = read_rows(d.refdir / "legs.jsonl")
     lines = [
         "# Real-worker CF-GRPO vs global GRPO (issue 13, deliverable 2)", "",
         f"Config: {d}. Trainer: the `cpu-long` study profile's (policy {cfg.train.policy.model} + LoRA r={cfg.train.policy.lora_r}, "
