@@ -279,32 +279,24 @@ def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = Tr
     """Evaluate one method on the eval sample into ref/eval/<method>/<benchmark>/ (resumable): a policy (sft / cf /
     global: its recorded final specs, executed) or any study eval method without an adapter (cot@large, sc-cot@medium,
     complete@medium, prompted, ...). For a policy also its dev-set specs at every recorded step, into ref/dev/."""
-    from lemon import benchmarks as B
-    from lemon.eval.runner import EvalConfig, run_eval
     from lemon.study.config import FIXED
-    from lemon.study.stages import eval_caps, evaluate, orch_config, select_fixed
+    from lemon.study.stages import evaluate, select_fixed
     cfg, sets = d.study(), question_sets(d)
+    sums = []
     if method not in POLICIES:
         run_as = method
         if method == FIXED:  # chosen on TRAIN-pool questions; the choice and its candidates' rows are kept in ref/select
             run_as = select_fixed(cfg, StudyPaths(d.refdir), pool, prompts, progress=progress)
-            for p in (d.refdir / "select").rglob("node_cache.jsonl"):
-                p.unlink()
         sums = evaluate(cfg, d.paths, run_as, sets["eval"], pool, prompts, progress=progress,
                         out_of=lambda b: eval_dir(d, method, b))
-        for b in sets["eval"]:
-            (eval_dir(d, method, b) / "node_cache.jsonl").unlink(missing_ok=True)  # see below
-        return sums
-    sums = []
-    for step, _, which in spec_points(d, method):
-        for w in which:
-            writer = ReplayWriter(spec_file(d, method, step, w), f"replay:{method}-step{step}", cfg.train.max_agents)
-            for b, exs in sets[w].items():
-                ecfg = EvalConfig("orchestrator", b, B.POOL_SPLITS["eval" if w == "eval" else "train"][b], seed=d.seed,
-                                  capacity=cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
-                out = eval_dir(d, method, b, w, step)
-                s = run_eval(ecfg, pool, prompts, out, caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
-                             examples=exs, progress=progress)
-                (out / "node_cache.jsonl").unlink(missing_ok=True)  # worker outputs are in results.jsonl; keep git small
-                sums.append({**s, "method": method, "set": w, "step": step})
+    else:
+        for step, _, which in spec_points(d, method):
+            for w in which:
+                writer = ReplayWriter(spec_file(d, method, step, w), f"replay:{method}-step{step}", cfg.train.max_agents)
+                s = evaluate(cfg, d.paths, method, sets[w], pool, prompts, writer=writer, progress=progress,
+                             out_of=lambda b, w=w, step=step: eval_dir(d, method, b, w, step),
+                             pool_kind="eval" if w == "eval" else "train")
+                sums += [{**x, "set": w, "step": step} for x in s]
+    for p in d.refdir.rglob("node_cache.jsonl"):  # worker outputs are in results.jsonl; keep the record small
+        p.unlink()
     return sums

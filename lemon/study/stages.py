@@ -236,14 +236,15 @@ class LazyPolicyWriter:
 
 
 def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[str, list], pool, prompts, *,
-             adapter: Path | None = None, out_of=None, progress: bool = True, pool_kind: str = "eval") -> list[dict]:
+             adapter: Path | None = None, out_of=None, progress: bool = True, pool_kind: str = "eval",
+             writer=None) -> list[dict]:
     """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
     summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy).
-    pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split."""
+    pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split.
+    writer: a spec writer to use instead of loading `adapter` (e.g. lemon.study.duel.ReplayWriter: recorded specs)."""
     base, cap = split_method(method)  # 'cot@large': the cot baseline at capacity large
-    if base not in BASELINES and method != "prompted" and adapter is None:
-        raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter")
-    writer = None
+    if base not in BASELINES and method != "prompted" and adapter is None and writer is None:
+        raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter (or a spec writer)")
     if adapter is not None:
         rel = Path(adapter).resolve().relative_to(paths.root) if paths.root in Path(adapter).resolve().parents else adapter
         writer = LazyPolicyWriter(cfg, Path(adapter), name=f"lemon:{cfg.train.policy.model}:{rel}")
