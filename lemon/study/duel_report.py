@@ -63,12 +63,12 @@ def per_benchmark(ev: dict) -> pd.DataFrame:
 
 def dev_curves(d: DuelConfig) -> pd.DataFrame:
     """Dev-set accuracy of each policy at each recorded step (step 0 = the warm start, shared by both arms)."""
-    rows = []
+    rows, benches = [], d.study().train.benchmarks
     for arm in POLICIES:
         for step, _, which in spec_points(d, arm):
             if "dev" not in which:
                 continue
-            rs = [r for b in d.study().train.benchmarks for r in read_rows(eval_dir(d, arm, b, "dev", step) / "results.jsonl")]
+            rs = [r for b in benches for r in read_rows(eval_dir(d, arm, b, "dev", step) / "results.jsonl")]
             if rs:
                 rows.append({"policy": arm, "step": step, "n": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs),
                              "worker tokens": sum(r["tokens"] for r in rs) / len(rs)})
@@ -100,14 +100,14 @@ def recorded_specs(d: DuelConfig, prompts, which: str = "eval") -> dict[str, dic
     """{policy: {(benchmark, id): Spec or None}} of each policy's final greedy specs (from the spec files)."""
     from lemon import benchmarks as B
     from lemon.spec import SpecError, parse_spec
-    out = {}
+    out, max_agents = {}, d.study().train.max_agents
     for arm in POLICIES:
         step = 0 if arm == "sft" else d.steps
         specs = {}
         for r in read_rows(spec_file(d, arm, step, which)):
             try:
                 specs[(r["benchmark"], r["id"])] = parse_spec(r["text"], base_roles=prompts.roles_for(
-                    B.get_benchmark(r["benchmark"]).domain), max_agents=d.study().train.max_agents)
+                    B.get_benchmark(r["benchmark"]).domain), max_agents=max_agents)
             except SpecError:
                 specs[(r["benchmark"], r["id"])] = None
         if specs:
