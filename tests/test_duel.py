@@ -121,6 +121,12 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     assert "| cf | sft |" in text and "| cf | cot@large |" in text and "## Not done yet" in text
     assert "(nothing recorded yet)" in text  # no training record in this fake chain
     assert (d.refdir / "plots" / "pareto.png").exists() and (d.refdir / "plots" / "dev_curves.png").exists()
+    assert "differs from cf" not in text  # only one arm has specs yet
+    fake_adapters(d, arms=("global",))
+    duel.write_specs(d, "global", prompts, writer_factory=Writer, progress=False)
+    comp = report(d, prompts).read_text().split("## What the policies' greedy eval specs look like")[1]
+    global_row = next(line for line in comp.splitlines() if line.startswith("| global |"))
+    assert "differs from cf" in comp and global_row.endswith("| 0/6 |")  # the same fake writer: the same structures
 
 
 def test_replay_writer_refuses_unknown_questions(tmp_path):

@@ -47,12 +47,15 @@ def paired_table(d: DuelConfig, ev: dict) -> pd.DataFrame:
 
 
 def per_benchmark(ev: dict) -> pd.DataFrame:
-    rows = []
+    """Per method: accuracy and n on each benchmark (in one column order for all, '-' where none ran yet), overall
+    accuracy, mean worker and orchestrator tokens per question."""
+    rows, benches = [], list(dict.fromkeys(b for by_b in ev.values() for b in by_b))
     for m, by_b in ev.items():
         allr = [r for rs in by_b.values() for r in rs]
         row = {"method": m}
-        for b, rs in by_b.items():
-            row[f"{b} acc"] = sum(r["correct"] for r in rs) / len(rs)
+        for b in benches:
+            rs = by_b.get(b, [])
+            row[f"{b} acc"] = sum(r["correct"] for r in rs) / len(rs) if rs else "-"
             row[f"{b} n"] = len(rs)
         row.update({"accuracy": sum(r["correct"] for r in allr) / len(allr), "n": len(allr),
                     "worker tokens": sum(r["tokens"] for r in allr) / len(allr),
@@ -195,7 +198,10 @@ def report(d: DuelConfig, prompts) -> Path:
     tr, dev = training_curves(d), dev_curves(d)
     md = lambda df: md_table(df) if not df.empty else "(nothing recorded yet)"  # noqa: E731
     pt = paired_table(d, ev)
-    comp = spec_composition(recorded_specs(d, prompts), reference="sft")
+    specs = recorded_specs(d, prompts)
+    comp = spec_composition(specs, reference="sft")
+    if "cf" in specs and "global" in specs:  # the two arms trained into the same structure = a comparison of duty texts
+        comp["differs from cf"] = spec_composition(specs, reference="cf")["differs from cf"]
     legs = read_rows(d.refdir / "legs.jsonl")
     lines = [
         "# Real-worker CF-GRPO vs global GRPO (issue 13, deliverable 2)", "",
