@@ -141,11 +141,13 @@ def _shape(s):
     return (tuple((a.base_role, a.capacity, a.depends_on) for a in s.agents), s.final) if s is not None else None
 
 
-def spec_composition(specs: dict[str, dict], reference: str | None = "sft") -> pd.DataFrame:
+def spec_composition(specs: dict[str, dict], reference: str | tuple[str, ...] | None = "sft") -> pd.DataFrame:
     """What each policy's evaluation specs look like: {method: {question: Spec or None (invalid)}} -> per method n,
     valid share, distinct structures (_shape) over the questions, mean agents and edges, the share of agents at each
-    capacity, and (when `reference` is there) on how many shared questions its structure differs from the reference's:
-    0 = training did not move the greedy spec anywhere. One structure for every question = a collapsed policy."""
+    capacity, and (for each `reference` method that is there: one name or several) on how many shared questions its
+    structure differs from the reference's: 0 = training did not move the greedy spec anywhere. One structure for every
+    question = a collapsed policy."""
+    refs = (reference,) if isinstance(reference, str) else tuple(reference or ())
     out = []
     for m, by_q in specs.items():
         ss = list(by_q.values())
@@ -158,9 +160,9 @@ def spec_composition(specs: dict[str, dict], reference: str | None = "sft") -> p
         for c in ("small", "medium", "large"):
             row[f"{c} share"] = sum(a.capacity == c for a in agents) / len(agents) if agents else float("nan")
         row["final large"] = float(np.mean([s.agent(s.final).capacity == "large" for s in valid])) if valid else float("nan")
-        if reference in specs:  # the reference's own row names it instead of leaving a nan
-            shared = sorted(set(by_q) & set(specs[reference]))
-            row[f"differs from {reference}"] = "(reference)" if m == reference else \
-                f"{sum(_shape(by_q[q]) != _shape(specs[reference][q]) for q in shared)}/{len(shared)}"
+        for ref in (r for r in refs if r in specs):  # the reference's own row names it instead of leaving a nan
+            shared = sorted(set(by_q) & set(specs[ref]))
+            row[f"differs from {ref}"] = "(reference)" if m == ref else \
+                f"{sum(_shape(by_q[q]) != _shape(specs[ref][q]) for q in shared)}/{len(shared)}"
         out.append(row)
     return pd.DataFrame(out)

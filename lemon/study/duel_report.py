@@ -199,9 +199,8 @@ def report(d: DuelConfig, prompts) -> Path:
     md = lambda df: md_table(df) if not df.empty else "(nothing recorded yet)"  # noqa: E731
     pt = paired_table(d, ev)
     specs = recorded_specs(d, prompts)
-    comp = spec_composition(specs, reference="sft")
-    if "cf" in specs and "global" in specs:  # the two arms trained into the same structure = a comparison of duty texts
-        comp["differs from cf"] = spec_composition(specs, reference="cf")["differs from cf"]
+    # once both arms have specs: where their structures agree, cf vs global compares duty/role texts only
+    comp = spec_composition(specs, reference=("sft", "cf") if "global" in specs else "sft")
     legs = read_rows(d.refdir / "legs.jsonl")
     lines = [
         "# Real-worker CF-GRPO vs global GRPO (issue 13, deliverable 2)", "",
