@@ -35,6 +35,10 @@ def main(argv=None) -> int:
     s.add_argument("--arm", required=True, choices=POLICIES)
     e = sub.add_parser("exec", help="execute a policy's recorded specs, or run a baseline, on the eval sample")
     e.add_argument("methods", nargs="+", help="sft | cf | global | a study eval method (cot@large, sc-cot@medium, ...)")
+    e.add_argument("--concurrency", type=int, default=1,
+                   help="questions in flight: the servers batch them, ~1.1-1.3x on 2 cores (LOG.md 2026-12-01). Seeds do "
+                        "not depend on it, but batched float sums can flip a greedy token now and then; legs.jsonl "
+                        "records each leg's value (the policies' rows ran at 1)")
     sub.add_parser("report", help="paired comparisons, learning curves, spec composition, plots -> ref/summary.md")
     sub.add_parser("status", help="what is missing, with the command for each")
     a = ap.parse_args(argv)
@@ -54,8 +58,8 @@ def main(argv=None) -> int:
         try:
             for m in a.methods:
                 t0 = time.time()
-                sums = run_method(d, m, prompts, pool)
-                log_event(d, leg="exec", method=m, seconds=round(time.time() - t0),
+                sums = run_method(d, m, prompts, pool, concurrency=a.concurrency)
+                log_event(d, leg="exec", method=m, seconds=round(time.time() - t0), concurrency=a.concurrency,
                           n={f"{s.get('set', 'eval')}/{s['benchmark']}": s["n"] for s in sums})
         finally:
             pool.close()

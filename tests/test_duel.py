@@ -103,11 +103,14 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     duel.run_method(d, "cf", prompts, pool, progress=False)  # resumed: no worker call
     assert len(backend.calls) == n_calls
     duel.run_method(d, "sft", prompts, pool, progress=False)
-    duel.run_method(d, "cot@large", prompts, pool, progress=False)
+    duel.run_method(d, "cot@large", prompts, pool, progress=False, concurrency=2)  # 2 questions in flight: still one row per question
+    assert len(read_rows(duel.eval_dir(d, "cot@large", "svamp") / "results.jsonl")) == 2
     duel.run_method(d, "best-fixed", prompts, pool, progress=False)  # chosen on TRAIN-pool questions, kept in ref/select
     choice = json.loads((d.refdir / "select" / "choice.json").read_text())
     assert choice["chosen"] in d.study().fixed_candidates and all("/train/" in i for v in choice["dev_ids"].values() for i in v)
-    assert len(read_rows(duel.eval_dir(d, "best-fixed", "gsm8k") / "results.jsonl")) == 2
+    chosen = choice["chosen"]  # best-fixed's eval rows are the chosen method's own, executed once
+    assert len(read_rows(duel.eval_dir(d, chosen, "gsm8k") / "results.jsonl")) == 2
+    assert not (d.refdir / "eval" / "best-fixed").exists()
     assert not list(d.refdir.rglob("node_cache.jsonl"))
     miss = missing(d)
     assert any(m.startswith("arm cf: not trained") for m in miss) and any("global step 4: 0/6 eval specs" in m for m in miss)
@@ -119,6 +122,7 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     out = report(d, prompts)
     text = out.read_text()
     assert "| cf | sft |" in text and "| cf | cot@large |" in text and "## Not done yet" in text
+    assert f"| cf | best-fixed (= {chosen}) |" in text and not any(m.startswith("best-fixed:") for m in miss)
     assert "(nothing recorded yet)" in text  # no training record in this fake chain
     assert (d.refdir / "plots" / "pareto.png").exists() and (d.refdir / "plots" / "dev_curves.png").exists()
     assert "differs from cf" not in text  # only one arm has specs yet

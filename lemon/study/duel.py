@@ -275,10 +275,11 @@ def eval_dir(d: DuelConfig, method: str, benchmark: str, which: str = "eval", st
     return d.refdir / "eval" / method / benchmark
 
 
-def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = True) -> list[dict]:
+def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = True, concurrency: int = 1) -> list[dict]:
     """Evaluate one method on the eval sample into ref/eval/<method>/<benchmark>/ (resumable): a policy (sft / cf /
     global: its recorded final specs, executed) or any study eval method without an adapter (cot@large, sc-cot@medium,
-    complete@medium, prompted, ...). For a policy also its dev-set specs at every recorded step, into ref/dev/."""
+    complete@medium, prompted, ...). For a policy also its dev-set specs at every recorded step, into ref/dev/.
+    concurrency: questions in flight (seeds do not depend on it; a server's batched decode can still flip a greedy token)."""
     from lemon.study.config import FIXED
     from lemon.study.stages import evaluate, select_fixed
     cfg, sets = d.study(), question_sets(d)
@@ -286,14 +287,18 @@ def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = Tr
     if method not in POLICIES:
         run_as = method
         if method == FIXED:  # chosen on TRAIN-pool questions; the choice and its candidates' rows are kept in ref/select
-            run_as = select_fixed(cfg, StudyPaths(d.refdir), pool, prompts, progress=progress)
+            # best-fixed IS the chosen method on the same questions, seed and workers: its eval rows are the chosen
+            # method's own (eval/<chosen>/, resumed if that method already ran), not a second execution of it; the
+            # report shows the row as "best-fixed (= <chosen>)" (duel_report.evaluated)
+            run_as = select_fixed(cfg, StudyPaths(d.refdir), pool, prompts, progress=progress, concurrency=concurrency)
         sums = evaluate(cfg, d.paths, run_as, sets["eval"], pool, prompts, progress=progress,
-                        out_of=lambda b: eval_dir(d, method, b))
+                        out_of=lambda b: eval_dir(d, run_as, b), concurrency=concurrency)
     else:
         for step, _, which in spec_points(d, method):
             for w in which:
                 writer = ReplayWriter(spec_file(d, method, step, w), f"replay:{method}-step{step}", cfg.train.max_agents)
                 s = evaluate(cfg, d.paths, method, sets[w], pool, prompts, writer=writer, progress=progress,
+                             concurrency=concurrency,
                              out_of=lambda b, w=w, step=step: eval_dir(d, method, b, w, step),
                              pool_kind="eval" if w == "eval" else "train")
                 sums += [{**x, "set": w, "step": step} for x in s]

@@ -28,7 +28,16 @@ def evaluated(d: DuelConfig) -> dict[str, dict[str, list[dict]]]:
     found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
     order = [m for m in (*POLICIES, *BASELINE_ORDER) if m in found] + [m for m in found if m not in (*POLICIES, *BASELINE_ORDER)]
     out = {m: load_rows({b: eval_dir(d, m, b) for b in d.study().benchmarks}) for m in order}
+    chosen = fixed_choice(d)
+    if chosen and out.get(chosen):  # best-fixed's rows are the chosen method's (duel.run_method), named as such
+        out[f"best-fixed (= {chosen})"] = out[chosen]
     return {m: r for m, r in out.items() if r}
+
+
+def fixed_choice(d: DuelConfig) -> str | None:
+    """The method 'best-fixed' chose on TRAIN-pool questions (ref/select/choice.json), or None before that leg ran."""
+    f = d.refdir / "select" / "choice.json"
+    return json.loads(f.read_text())["chosen"] if f.exists() else None
 
 
 def paired_table(d: DuelConfig, ev: dict) -> pd.DataFrame:
@@ -137,9 +146,9 @@ def missing(d: DuelConfig) -> list[str]:
                 if n < need[w]:
                     out.append(f"{arm} step {step}: {n}/{need[w]} {w} specs (`bench/duel.py specs --arm {arm}`, needs the "
                                f"adapter: same machine as its training)")
-    ev = evaluated(d)
+    ev, chosen = evaluated(d), fixed_choice(d)
     for m in (*POLICIES, *BASELINE_ORDER):
-        n = sum(len(v) for v in ev.get(m, {}).values())
+        n = sum(len(v) for v in ev.get(f"best-fixed (= {chosen})" if m == "best-fixed" else m, {}).values())
         if n < need["eval"]:
             out.append(f"{m}: {n}/{need['eval']} eval questions executed (`bench/duel.py exec {m}`)")
     return out

@@ -237,11 +237,12 @@ class LazyPolicyWriter:
 
 def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[str, list], pool, prompts, *,
              adapter: Path | None = None, out_of=None, progress: bool = True, pool_kind: str = "eval",
-             writer=None) -> list[dict]:
+             writer=None, concurrency: int = 1) -> list[dict]:
     """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
     summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy).
     pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split.
-    writer: a spec writer to use instead of loading `adapter` (e.g. lemon.study.duel.ReplayWriter: recorded specs)."""
+    writer: a spec writer to use instead of loading `adapter` (e.g. lemon.study.duel.ReplayWriter: recorded specs).
+    concurrency: questions in flight (lemon.eval.runner.run_eval; the servers batch them, ~1.1-1.3x on 2 cores)."""
     base, cap = split_method(method)  # 'cot@large': the cot baseline at capacity large
     if base not in BASELINES and method != "prompted" and adapter is None and writer is None:
         raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter (or a spec writer)")
@@ -255,7 +256,7 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
             ecfg = EvalConfig(base if base in BASELINES else "orchestrator", b, B.POOL_SPLITS[pool_kind][b], seed=cfg.seed,
                               capacity=cap or cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
             s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
-                         examples=exs, progress=progress)
+                         examples=exs, progress=progress, concurrency=concurrency)
             sums.append({**s, "method": method})
     finally:
         if writer:
@@ -270,7 +271,8 @@ def pooled(sums: list[dict]) -> dict:
             "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n}
 
 
-def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True) -> str:
+def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True,
+                 concurrency: int = 1) -> str:
     """'best-fixed': run every cfg.fixed_candidates method on a seeded sample of fixed_dev_n TRAIN-pool questions per
     benchmark (select/<method>/<benchmark>, resumable) and return the most accurate (ties: fewer mean worker tokens).
     The choice, every candidate's score and the dev ids go to select/choice.json; a folder that has it is not redone."""
@@ -286,7 +288,7 @@ def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress
     scores = []
     for m in cfg.fixed_candidates:
         sums = evaluate(cfg, paths, m, dev, pool, prompts, out_of=lambda b, m=m: paths.root / "select" / m / b,
-                        progress=progress, pool_kind="train")
+                        progress=progress, pool_kind="train", concurrency=concurrency)
         scores.append({"method": m, **pooled(sums)})
     best = max(scores, key=lambda r: (r["accuracy"], -r["tokens"]))
     write_json(out, {"chosen": best["method"], "candidates": scores, "dev_ids": {b: [e.id for e in v] for b, v in dev.items()},
