@@ -77,7 +77,7 @@ def dev_curves(d: DuelConfig) -> pd.DataFrame:
     """Dev-set accuracy of each policy at each recorded step (step 0 = the warm start, shared by both arms)."""
     rows, benches = [], d.study().train.benchmarks
     for arm in POLICIES:
-        for step, _, which in spec_points(d, arm):
+        for step, _, which in sorted(spec_points(d, arm), key=lambda x: x[0]):  # the curve in step order
             if "dev" not in which:
                 continue
             rs = [r for b in benches for r in read_rows(eval_dir(d, arm, b, "dev", step) / "results.jsonl")]
@@ -175,10 +175,11 @@ def plots(d: DuelConfig, ev: dict, dev: pd.DataFrame, tr: pd.DataFrame) -> list[
     if not dev.empty:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         sft = dev[dev.policy == "sft"]
+        style = {"cf": dict(ls="-", marker="o", ms=9), "global": dict(ls="--", marker="s", ms=5)}  # equal curves stay visible
         for arm in ARMS:
             g = pd.concat([sft, dev[dev.policy == arm]]).sort_values("step")
             if len(g):
-                ax.plot(g["step"], g["accuracy"], marker="o", label=arm)
+                ax.plot(g["step"], g["accuracy"], label=arm, **style.get(arm, {}))
         ax.set(xlabel="CF-GRPO step (0 = SFT warm start)", ylabel="dev accuracy",
                title=f"held-out TRAIN-pool dev set (n={int(dev['n'].max())})")
         ax.legend()
