@@ -148,7 +148,7 @@ def missing(d: DuelConfig) -> list[str]:
                                f"adapter: same machine as its training)")
     ev, chosen = evaluated(d), fixed_choice(d)
     for m in (*POLICIES, *BASELINE_ORDER):
-        n = sum(len(v) for v in ev.get(f"best-fixed (= {chosen})" if m == "best-fixed" else m, {}).values())
+        n = sum(len(v) for v in ev.get(chosen if m == "best-fixed" else m, {}).values())  # its rows are chosen's
         if n < need["eval"]:
             out.append(f"{m}: {n}/{need['eval']} eval questions executed (`bench/duel.py exec {m}`)")
     return out
