@@ -45,9 +45,16 @@ def test_run_eval_rows_summary_resume_and_config_guard(tmp_path):
     assert all(r["tokens"] > 0 and r["agents"] == 2 and r["spec"] is None for r in rows)
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["prompts_sha256"] == P.sha256 and m["config"]["eval"]["seed"] == 1 and m["data"]
-    # rerun: nothing repeated, nothing lost
+    # rerun: nothing repeated, nothing lost, and the no-op call leaves the summary (wall time, servers) as it was
+    before = (tmp_path / "summary.json").read_text()
     s2 = run_eval(cfg, fake_pool(), P, tmp_path, progress=False)
     assert s2["n"] == 3 and len(read_rows(tmp_path / "results.jsonl")) == 3
+    assert (tmp_path / "summary.json").read_text() == before and s2["wall_s_total"] == s["wall_s_this_call"]
+    # a call that adds rows (here: one dropped by hand) accumulates wall time over the calls
+    lines = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "results.jsonl").write_text("".join(lines[:2]))
+    s3 = run_eval(cfg, fake_pool(), P, tmp_path, progress=False)
+    assert s3["n"] == 3 and s3["wall_s_total"] == pytest.approx(s["wall_s_this_call"] + s3["wall_s_this_call"])
     # a torn last line (killed mid-write) is cut off and that example is redone
     with open(tmp_path / "results.jsonl", "a") as f:
         f.write('{"id": "gsm8k/test/9", "corr')

@@ -190,10 +190,18 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
                 tp.shutdown(wait=not pending, cancel_futures=True)
     finally:
         bar.close()
+    spath = out / "summary.json"
+    old_summary = json.loads(spath.read_text()) if spath.exists() else {}
+    if not todo and old_summary.get("n") == len(rows):
+        # A resume with nothing left to do keeps the summary of the calls that produced the rows: rewriting it would
+        # replace their wall time and server description with this no-op call's (~0 s, fresh ports).
+        return old_summary
+    wall = time.perf_counter() - t0
     summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split, "seed": cfg.seed,
-               "concurrency": concurrency, "wall_s_this_call": time.perf_counter() - t0, "workers": pool.describe(),
-               "prompts_sha256": prompts.sha256}
-    write_json(out / "summary.json", summary)
+               "concurrency": concurrency, "wall_s_this_call": wall,
+               "wall_s_total": old_summary.get("wall_s_total", old_summary.get("wall_s_this_call", 0.0)) + wall,
+               "workers": pool.describe(), "prompts_sha256": prompts.sha256}
+    write_json(spath, summary)
     return summary
 
 
