@@ -10,6 +10,9 @@ lemon.study.duel; this script is its command line.
     .venv/bin/python bench/duel.py train --arm cf       # leg 1: SFT corpus + warm start, 10 CF-GRPO steps, greedy specs
     .venv/bin/python bench/duel.py train --arm global   # leg 2: the same warm start (from the committed corpus), lambda = 0
     .venv/bin/python bench/duel.py status               # what is done, what is missing, and the command for each
+    # a training-curve replicate in its own folders (global options go before the command):
+    .venv/bin/python bench/duel.py --seed 1 --steps 6 --dev-steps '' --work outputs/duel-cpu-seed1 \
+        --ref outputs/reference/duel-cpu-seed1-20261204 train --arm cf --no-specs
 """
 from __future__ import annotations
 
@@ -41,8 +44,17 @@ def main(argv=None) -> int:
                         "records each leg's value (the policies' rows ran at 1)")
     sub.add_parser("report", help="paired comparisons, learning curves, spec composition, plots -> ref/summary.md")
     sub.add_parser("status", help="what is missing, with the command for each")
+    # A replicate (another seed, fewer steps) needs its own folders; ref/config.json refuses a mix.
+    dflt = DuelConfig()
+    ap.add_argument("--seed", type=int, default=dflt.seed, help="seeds data samples, SFT corpus, training, worker calls")
+    ap.add_argument("--steps", type=int, default=dflt.steps, help="training steps per arm")
+    ap.add_argument("--dev-steps", default=",".join(map(str, dflt.dev_steps)),
+                    help="comma-separated even checkpoints whose greedy dev specs are written ('' for none)")
+    ap.add_argument("--work", default=dflt.work, help="work folder (gitignored)")
+    ap.add_argument("--ref", default=dflt.ref, help="record folder kept in git")
     a = ap.parse_args(argv)
-    d = DuelConfig()
+    d = DuelConfig(steps=a.steps, seed=a.seed, work=a.work, ref=a.ref,
+                   dev_steps=tuple(int(x) for x in a.dev_steps.split(",") if x.strip()))
     prompts = default_prompts()
     print(f"[duel] {d}")
     if a.cmd == "train":

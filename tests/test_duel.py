@@ -171,3 +171,21 @@ def test_warm_start_rebuilt_from_a_committed_corpus_is_the_same_adapter(tmp_path
         assert rec["rows"] == 2 and rec["corpus"] == {"given": 2}
         shas.append(duel.adapter_sha(Path(rec["adapter"])))
     assert shas[0] == shas[1]
+
+
+def test_a_record_folder_refuses_a_leg_with_another_config(tmp_path):
+    d = tiny(tmp_path)
+    duel.log_event(d, leg="probe")
+    assert json.loads((Path(d.ref) / "config.json").read_text())["seed"] == 0
+    duel.log_event(d, leg="probe")  # the same config: fine
+    with pytest.raises(ValueError, match=r"another config.*'seed': \(0, 1\)"):
+        duel.log_event(tiny(tmp_path, seed=1), leg="probe")
+    assert len(read_rows(Path(d.ref) / "legs.jsonl")) == 2  # the refused leg wrote nothing
+
+
+def test_status_commands_carry_a_replicates_options(tmp_path):
+    d = tiny(tmp_path, seed=1)
+    assert duel.cli(duel.DuelConfig()) == "bench/duel.py"
+    cmd = duel.cli(d)
+    assert "--seed 1" in cmd and "--steps 4" in cmd and f"--ref {d.ref}" in cmd and "--dev-steps '2'" in cmd
+    assert any(f"`{cmd} train --arm cf`" in m for m in missing(d))

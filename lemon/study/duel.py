@@ -96,9 +96,39 @@ def cpu_id() -> str:
     return f"{field('model name')} flags:{hashlib.sha256(field('flags').encode()).hexdigest()[:8]}"
 
 
+def cli(d: DuelConfig) -> str:
+    """The command line that addresses this comparison: `bench/duel.py` plus the global options that differ from the
+    default config (so the commands printed by status and the report are right for a replicate too)."""
+    dflt, opts = DuelConfig(), []
+    for name, flag in (("seed", "--seed"), ("steps", "--steps"), ("work", "--work"), ("ref", "--ref")):
+        if getattr(d, name) != getattr(dflt, name):
+            opts.append(f"{flag} {getattr(d, name)}")
+    if d.dev_steps != dflt.dev_steps:
+        opts.append(f"--dev-steps '{','.join(map(str, d.dev_steps))}'")
+    return " ".join(["bench/duel.py", *opts])
+
+
+def check_config(d: DuelConfig) -> None:
+    """A record folder holds one comparison: its DuelConfig is written to ref/config.json by the first leg, and a later
+    leg with another config (say a second seed pointed at the same folder) is refused instead of mixing the two."""
+    from dataclasses import asdict
+    f, mine = d.refdir / "config.json", json.loads(json.dumps(asdict(d)))
+    if f.exists():
+        theirs = json.loads(f.read_text())
+        if theirs != mine:
+            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+            raise ValueError(f"{d.refdir} holds a comparison with another config (field: (recorded, this leg)): {diff}; "
+                             "give this one its own --work and --ref")
+    elif (d.refdir / "legs.jsonl").exists() and d != DuelConfig():
+        raise ValueError(f"{d.refdir} predates config.json and was written by the default DuelConfig; this leg's is {d}")
+    else:
+        d.refdir.mkdir(parents=True, exist_ok=True)
+        write_json(f, mine)
+
+
 def log_event(d: DuelConfig, **kw) -> None:
     """One line per leg action in ref/legs.jsonl: what ran, when, at which commit, on which CPU (the chain's manifest)."""
-    d.refdir.mkdir(parents=True, exist_ok=True)
+    check_config(d)
     with open(d.refdir / "legs.jsonl", "a") as f:
         f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": git_sha(), "cpu": cpu_id(), **kw}) + "\n")
 
@@ -145,8 +175,8 @@ def keep_training_record(d: DuelConfig, arm: str) -> None:
             shutil.copy(src / name, dst / name)
     if (src / "adapter").exists():
         write_json(dst / "adapter.json", {"adapter_sha256": adapter_sha(src / "adapter"),
-                                          "note": "weights stay out of git; rerun `bench/duel.py train --arm "
-                                                  f"{arm}` to rebuild them"})
+                                          "note": f"weights stay out of git; rerun `{cli(d)} train --arm {arm}` to "
+                                                  "rebuild them"})
 
 
 def train_arm(d: DuelConfig, arm: str, prompts) -> Path:
@@ -215,7 +245,7 @@ def write_specs(d: DuelConfig, arm: str, prompts, *, writer_factory=None, progre
     for step, adapter, which in spec_points(d, arm):
         if not Path(adapter).exists():
             raise FileNotFoundError(f"{adapter}: arm {arm!r} at step {step} is not trained in {d.paths.root}; run "
-                                    f"`bench/duel.py train --arm {arm if arm != 'sft' else 'cf'}` on this machine first")
+                                    f"`{cli(d)} train --arm {arm if arm != 'sft' else 'cf'}` on this machine first")
         sha = adapter_sha(adapter)
         writer = factory(cfg, Path(adapter), f"{arm}-step{step}")
         try:

@@ -17,7 +17,7 @@ import pandas as pd
 from lemon.study.compare import comparisons, load_rows, spec_composition
 from lemon.study.plots import md_table
 from lemon.eval.runner import read_rows
-from lemon.study.duel import ARMS, POLICIES, DuelConfig, eval_dir, question_sets, spec_file, spec_points
+from lemon.study.duel import ARMS, POLICIES, DuelConfig, cli, eval_dir, question_sets, spec_file, spec_points
 
 BASELINE_ORDER = ("cot@small", "cot@medium", "cot@large", "sc-cot@medium", "complete@medium", "prompted", "best-fixed")
 
@@ -134,7 +134,7 @@ def missing(d: DuelConfig) -> list[str]:
     out = []
     for arm in ARMS:
         if not (d.refdir / arm / "train.json").exists():
-            out.append(f"arm {arm}: not trained (`bench/duel.py train --arm {arm}`)")
+            out.append(f"arm {arm}: not trained (`{cli(d)} train --arm {arm}`)")
     for arm in POLICIES:
         for step, _, which in spec_points(d, arm):
             for w in which:
@@ -142,15 +142,15 @@ def missing(d: DuelConfig) -> list[str]:
                 n, shas = len(rows), sorted({r["adapter_sha256"][:12] for r in rows})
                 if len(shas) > 1:  # e.g. a warm start rebuilt on another CPU finished the file: not one policy's specs
                     out.append(f"{arm} step {step} {w} specs come from {len(shas)} different adapters ({', '.join(shas)}): "
-                               "rewrite them with one (delete the file, rerun `bench/duel.py specs`)")
+                               f"rewrite them with one (delete the file, rerun `{cli(d)} specs`)")
                 if n < need[w]:
-                    out.append(f"{arm} step {step}: {n}/{need[w]} {w} specs (`bench/duel.py specs --arm {arm}`, needs the "
+                    out.append(f"{arm} step {step}: {n}/{need[w]} {w} specs (`{cli(d)} specs --arm {arm}`, needs the "
                                f"adapter: same machine as its training)")
     ev, chosen = evaluated(d), fixed_choice(d)
     for m in (*POLICIES, *BASELINE_ORDER):
         n = sum(len(v) for v in ev.get(chosen if m == "best-fixed" else m, {}).values())  # its rows are chosen's
         if n < need["eval"]:
-            out.append(f"{m}: {n}/{need['eval']} eval questions executed (`bench/duel.py exec {m}`)")
+            out.append(f"{m}: {n}/{need['eval']} eval questions executed (`{cli(d)} exec {m}`)")
     return out
 
 
@@ -220,7 +220,7 @@ def report(d: DuelConfig, prompts) -> Path:
         f"warm start; cf_lambda 1.0 (cf) vs 0.0 (global). Workers: the embedded ladder on llama-server. Eval: "
         f"{d.eval_n} seeded EVAL-pool questions per benchmark ({', '.join(cfg.benchmarks)}; seed {d.seed}); dev: "
         f"{d.dev_n} held-out TRAIN-pool questions per benchmark. Regenerate: the commands in `legs.jsonl` order "
-        "(`bench/duel.py train --arm cf`, `... train --arm global`, `... specs --arm sft`, `... exec sft cf global "
+        f"(`{cli(d)} train --arm cf`, `... train --arm global`, `... specs --arm sft`, `... exec sft cf global "
         "cot@small ...`, `... report`).", "",
         "## Paired comparisons on the eval sample", "",
         "delta = accuracy(A) - accuracy(B) on the questions both answered; 95% percentile bootstrap CI resampled within "
