@@ -194,8 +194,9 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
     old_summary = json.loads(spath.read_text()) if spath.exists() else {}
     if not todo and old_summary.get("n") == len(rows):
         # A resume with nothing left to do keeps the summary of the calls that produced the rows: rewriting it would
-        # replace their wall time and server description with this no-op call's (~0 s, fresh ports).
-        return old_summary
+        # replace their wall time and server description with this no-op call's (~0 s, fresh ports). The statistics are
+        # recomputed from the rows, so a summary written by an older version still returns every current key.
+        return {**old_summary, **summarize(rows)}
     wall = time.perf_counter() - t0
     summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split, "seed": cfg.seed,
                "concurrency": concurrency, "wall_s_this_call": wall,
