@@ -178,7 +178,7 @@ def test_a_record_folder_refuses_a_leg_with_another_config(tmp_path):
     duel.log_event(d, leg="probe")
     assert json.loads((Path(d.ref) / "config.json").read_text())["seed"] == 0
     duel.log_event(d, leg="probe")  # the same config: fine
-    with pytest.raises(ValueError, match=r"another config.*'seed': \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"different config \(seed: 0 -> 1\); give this one its own --work and --ref"):
         duel.log_event(tiny(tmp_path, seed=1), leg="probe")
     assert len(read_rows(Path(d.ref) / "legs.jsonl")) == 2  # the refused leg wrote nothing
 

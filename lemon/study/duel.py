@@ -32,7 +32,7 @@ from lemon.eval.runner import read_rows
 from lemon.manifest import git_sha, write_json
 from lemon.run.models import file_sha256
 from lemon.study.config import StudyConfig, study_preset
-from lemon.study.runner import ROOT, StudyPaths
+from lemon.study.runner import ROOT, StudyPaths, guard_config
 
 ARMS = ("cf", "global")
 POLICIES = ("sft", *ARMS)  # the three trained-policy methods compared on the same questions
@@ -112,18 +112,9 @@ def check_config(d: DuelConfig) -> None:
     """A record folder holds one comparison: its DuelConfig is written to ref/config.json by the first leg, and a later
     leg with another config (say a second seed pointed at the same folder) is refused instead of mixing the two."""
     from dataclasses import asdict
-    f, mine = d.refdir / "config.json", json.loads(json.dumps(asdict(d)))
-    if f.exists():
-        theirs = json.loads(f.read_text())
-        if theirs != mine:
-            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-            raise ValueError(f"{d.refdir} holds a comparison with another config (field: (recorded, this leg)): {diff}; "
-                             "give this one its own --work and --ref")
-    elif (d.refdir / "legs.jsonl").exists() and d != DuelConfig():
+    if not (d.refdir / "config.json").exists() and (d.refdir / "legs.jsonl").exists() and d != DuelConfig():
         raise ValueError(f"{d.refdir} predates config.json and was written by the default DuelConfig; this leg's is {d}")
-    else:
-        d.refdir.mkdir(parents=True, exist_ok=True)
-        write_json(f, mine)
+    guard_config(d.refdir, asdict(d), "comparison", "give this one its own --work and --ref")
 
 
 def log_event(d: DuelConfig, **kw) -> None:

@@ -89,14 +89,19 @@ def setup(profile: str, out_dir: str, seed: int) -> tuple[StudyConfig, StudyPath
 
 def write_config(cfg: StudyConfig, paths: StudyPaths) -> None:
     """config.json; a folder started with another config is refused (one folder = one experiment)."""
-    paths.root.mkdir(parents=True, exist_ok=True)
-    new = json.loads(json.dumps(cfg.to_dict(), default=str))
-    p = paths.root / "config.json"
+    guard_config(paths.root, cfg.to_dict(), "study", "resume it with the same profile, seed and code, or choose another --out")
+
+
+def guard_config(root: Path, config: dict, what: str, remedy: str) -> None:
+    """<root>/config.json is written by the first run in a folder; a later run with another config is refused with the
+    fields that differ and `remedy` (one folder = one experiment: never two configs' results mixed in one record)."""
+    root.mkdir(parents=True, exist_ok=True)
+    new = json.loads(json.dumps(config, default=str))
+    p = root / "config.json"
     old = json.loads(p.read_text()) if p.exists() else new
     if old != new:
         diff = sorted(_diff(old, new))
-        raise ValueError(f"{paths.root} holds a study with a different config ({'; '.join(diff[:6])}); resume it with the "
-                         f"same profile, seed and code, or choose another --out")
+        raise ValueError(f"{root} holds a {what} with a different config ({'; '.join(diff[:6])}); {remedy}")
     if not p.exists():
         write_json(p, new)
 
