@@ -83,3 +83,15 @@ def test_code_benchmarks_get_longer_reply_caps():
     assert eval_caps(cfg, "gsm8k").max_tokens == domain_reply_caps(cfg.train.worker_max_tokens, "math")
     with pytest.raises(ValueError, match="domain"):
         domain_reply_caps({"small": 1}, "poetry")
+
+
+def test_grammar_text_bounds_are_checked_and_reach_the_grammar():
+    from lemon.spec.grammar import SpecGrammar
+    from lemon.spec.schema import MAX_LEN
+    with pytest.raises(ValueError, match="role_chars=1"):
+        C.train_preset("smoke", role_chars=1)
+    with pytest.raises(ValueError, match="duty_chars"):
+        C.train_preset("smoke", duty_chars=MAX_LEN["duty"] + 1)
+    cfg = C.train_preset("smoke", role_chars=12, duty_chars=24)
+    g = SpecGrammar(("solver",), role_chars=cfg.role_chars, duty_chars=cfg.duty_chars)
+    assert "{0,10}" in g.lark() and "{0,22}" in g.lark()  # the regex bounds the grammar compiles from

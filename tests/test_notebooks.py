@@ -1,4 +1,5 @@
-"""The study notebooks: their shape (fast), and the whole smoke study through papermill, validated with nbval (slow, in CI):
+"""The study notebooks: their shape (fast), and the whole `test`-profile study through papermill, validated with nbval (slow,
+in CI):
 plots, summary tables and result rows exist, and a rerun resumes instead of redoing."""
 import ast
 import json
@@ -46,14 +47,20 @@ def _rows(out, cfg):
 
 @pytest.mark.slow
 @pytest.mark.study  # select alone with `pytest -m study`
-@pytest.mark.timeout(3600)  # the whole smoke study (target <= 25 min on 2 idle cores) + a resume + nbval
-def test_smoke_study_end_to_end(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke") / "study"
-    cfg = study.study_preset("smoke")
+# `long` (outside README's suite) until a run on an idle machine shows it passes in <= 5 min (issue 28, LOG.md 2026-12-04):
+#   .venv/bin/python -m pytest -q -p no:cacheprovider -m long tests/test_notebooks.py
+@pytest.mark.long
+@pytest.mark.timeout(900)  # the `test` profile study + a resume + nbval; target <= 5 min on 2 idle cores
+def test_study_end_to_end(tmp_path_factory):
+    """The whole study on the `test` profile (lemon.study.config: real llama-server workers, the 135M policy, SFT + 1
+    CF-GRPO step, 1 question per benchmark, one trained ablation variant, the served policy). The full-size smoke study is
+    `bash scripts/main.sh --profile smoke`."""
+    out = tmp_path_factory.mktemp("study") / "study"
+    cfg = study.study_preset("test")
     t0 = time.perf_counter()
-    assert study.run_study("smoke", out, log_output=False) == out.resolve()
+    assert study.run_study("test", out, log_output=False) == out.resolve()
     first = time.perf_counter() - t0
-    print(f"smoke study: {first:.0f} s; per notebook {json.loads((out / 'timings.json').read_text())}")
+    print(f"test study: {first:.0f} s; per notebook {json.loads((out / 'timings.json').read_text())}")
 
     executed = [out / f"{nb}.ipynb" for nb in study.NOTEBOOKS]
     for p in executed:
@@ -65,13 +72,17 @@ def test_smoke_study_end_to_end(tmp_path_factory):
     for (m, b), ids in rows.items():
         assert len(ids) == len(set(ids)) == cfg.eval_n, (m, b)
     he = read_rows(out / "eval" / "cot" / "humaneval" / "results.jsonl")
-    assert all(r["split"] == "test" and r["id"].startswith("HumanEval/") for r in he)
+    assert he and all(r["split"] == "test" and r["id"].startswith("HumanEval/") for r in he)
+    assert json.loads((out / "select" / "choice.json").read_text())["chosen"] in cfg.fixed_candidates
     md = (out / "summary.md").read_text()
-    for needle in ("## Does training help?", "## Data pools", "## Training", "## Main results", "| method | gsm8k (test, n=2) |",
-                   "## Ablation", "| variant |", "## Edit effects", "smollm2-135m", f"seed {cfg.seed}", "n = 2"):
+    for needle in ("## Does training help?", "## Data pools", "## Training", "## Main results", "| method | gsm8k (test, n=1) |",
+                   "## Ablation", "| variant |", "## Edit effects", "smollm2-135m", f"seed {cfg.seed}", "n = 1"):
         assert needle in md, needle
     assert (out / "train" / "grpo" / "adapter" / "adapter_config.json").exists()
     assert read_rows(out / "train" / "grpo" / "metrics.jsonl")
+    for v in cfg.ablation_variants:  # each variant trained its own adapter (none is the main run) and was evaluated
+        assert (out / "ablations" / "variants" / v / "adapter" / "adapter_config.json").exists(), v
+        assert read_rows(out / "ablations" / "variants" / v / "eval" / "gsm8k" / "results.jsonl"), v
     man = json.loads((out / "manifest.json").read_text())
     assert man["git"] and man["data"] and man["policy"]["sha256"] and man["seeds"]["study"] == cfg.seed
 
@@ -80,13 +91,15 @@ def test_smoke_study_end_to_end(tmp_path_factory):
         (out / ".done" / f"{nb}.json").unlink()
     before = json.loads((out / "timings.json").read_text())
     t0 = time.perf_counter()
-    study.run_study("smoke", out, log_output=False)
+    study.run_study("test", out, log_output=False)
     again = time.perf_counter() - t0
     assert _rows(out, cfg) == rows
     assert again < 0.5 * (before["03_ablations"][0] + before["04_evaluate"][0]), (again, before)
 
     # nbval (lax) re-executes the executed notebooks: every cell must run again without error (and resume, again)
+    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-q",
-                        *map(str, executed)], cwd=out, capture_output=True, text=True, timeout=1800)
+                        *map(str, executed)], cwd=out, capture_output=True, text=True, timeout=600)
+    print(f"resume (03 + 04): {again:.0f} s; nbval: {time.perf_counter() - t0:.0f} s")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert _rows(out, cfg) == rows

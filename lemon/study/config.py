@@ -18,7 +18,7 @@ from lemon.train.sft import SFTConfig
 # to answer it (does training help on the math pools?); 'cpu-wide' is the same trainer spread over six benchmarks and
 # every method at 2 questions each (breadth, not a ranking); 'cpu-long' is cpu's question at a size that can separate CF
 # from global GRPO (issue 13's real-worker comparison; ~13 h on 2 cores)
-STUDY_PROFILES = {"smoke": "smoke", "cpu": "cpu", "cpu-long": "cpu", "cpu-wide": "cpu", "paper": "paper"}
+STUDY_PROFILES = {"test": "smoke", "smoke": "smoke", "cpu": "cpu", "cpu-long": "cpu", "cpu-wide": "cpu", "paper": "paper"}
 MATH = ("multiarith", "svamp", "gsm8k")
 NOTEBOOKS = ("01_prepare_data", "02_train_grpo_lora", "03_ablations", "04_evaluate")
 FIXED = "best-fixed"  # eval method: the one fixed method (baseline spec) that scores best on a TRAIN-pool dev sample
@@ -161,6 +161,14 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # cores (2026-11-30): 01 3 s, 02 375 s (SFT ~5 min, CF-GRPO 21 s/step), 03 181 s, 04 498 s; total 17.7 min.
         # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
         cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
+    elif profile == "test":
+        # DRAFT v2
+        cfg = StudyConfig("test", replace(train, max_steps=1), replace(sft, questions=1, epochs=1.0, probe_questions=1),
+                          seed=seed, benchmarks=("gsm8k", "mmlu", "humaneval"), eval_n=1,
+                          eval_methods=("cot", "chain", "prompted", FIXED, "lemon"),
+                          fixed_candidates=("cot@small", "vanilla@large"), fixed_dev_n=1, orchestrator_max_tokens=256,
+                          edit_n=1, ablation_variants=("global",), ablation_benchmarks=("gsm8k",), ablation_n=1, gallery=2,
+                          policy_server=True)
     elif profile == "cpu":
         # The embedded default asks ONE question: does CF-GRPO training help with these workers? The trained policy
         # (notebook 02: SFT warm start + 4 CF-GRPO steps on the math train pools) is paired with its own SFT warm start

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from lemon.spec import MAX_AGENTS
+from lemon.spec.schema import DUTY_CHARS, MAX_LEN, ROLE_CHARS
 from lemon.train.dtype import SAMPLING_DTYPES
 from lemon.train.edits import FAMILIES
 from lemon.train.policy import PolicyConfig
@@ -74,6 +75,10 @@ class TrainConfig:
     """Most agents a spec may have (told to the model, enforced by the parser and the grammar)."""
     constrained: bool = True
     """Sample specs under the spec grammar (lemon.spec.grammar): every rollout is valid; False = the unconstrained ablation."""
+    role_chars: int = ROLE_CHARS
+    """Longest `role` text the grammar lets a rollout write (shorter = fewer tokens per spec; tests use this)."""
+    duty_chars: int = DUTY_CHARS
+    """Longest `duty` text the grammar lets a rollout write."""
     cf_lambda: float = 1.0
     """Weight of the counterfactual contrast on the edited span; 0 = plain GRPO ("global RL only")."""
     cf_families: tuple[str, ...] = FAMILIES
@@ -135,6 +140,9 @@ class TrainConfig:
         if self.reward.max_agents != self.max_agents:
             raise ValueError(f"reward.max_agents={self.reward.max_agents} != max_agents={self.max_agents}: graph cost must be "
                              "normalised by the largest spec training allows (use train_preset, or set both)")
+        if not 2 <= self.role_chars <= MAX_LEN["role"] or not 2 <= self.duty_chars <= MAX_LEN["duty"]:
+            raise ValueError(f"role_chars={self.role_chars} / duty_chars={self.duty_chars} must be in 2..{MAX_LEN['role']} / "
+                             f"2..{MAX_LEN['duty']} (what parse_spec accepts)")
         need = size_budgets(self.max_agents, self.worker_max_tokens)["completion"]
         if self.constrained and self.max_completion_length < need:
             raise ValueError(f"max_completion_length={self.max_completion_length} cannot hold a {self.max_agents}-agent spec "

@@ -1,0 +1,146 @@
+"""The counterfactual term inside the REAL trainer (issue 28 C): lemon.train.grpo's CF-GRPO trainer class, TRL's own
+generation/scoring path, TRL's loss, backward and one AdamW step, on a tiny random Qwen2 with LoRA (tests/_tiny.py).
+
+A group of two rollouts with EQUAL rewards (no global GRPO signal) where rollout 0 carries a counterfactual contrast on a
+known span of its completion tokens. What must hold (DESIGN.md, "Counterfactual GRPO, concretely": "with A_i = 0 the gradient
+is non-zero only on S_i"):
+- cf_lambda = 1: the LoRA gradient the trainer steps with equals the gradient of an obvious reference loss that sums
+  -A_t log p(y_t | prompt, y_<t) over the SPAN tokens only, one forward per token (A_t = lambda * delta / max(std, floor),
+  divided by TRL's token count); it differs from the same reference summed over the whole completion, so a trainer that
+  spread the contrast over every token (span mask ignored) fails; the LoRA weights move.
+- cf_lambda = 0 (the same batch): every LoRA gradient is exactly zero and no LoRA weight changes.
+The rollout function is a stand-in (fixed token ids and scored records; no sampling, no workers): everything after it is
+the code `lemon train` runs."""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+from _tiny import tiny_model  # noqa: E402  (tests/_tiny.py)
+
+from lemon.run.executor import NodeCache  # noqa: E402
+from lemon.train.edits import FamilySampler  # noqa: E402
+from lemon.train.rewards import RewardBreakdown, RewardConfig  # noqa: E402
+from lemon.train.scoring import Rollout  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "Plan: 3 apples."}]
+# character-level tiny vocab: ids 0..94 are printable characters, 95 pad, 96 eos
+COMPLETIONS = [[65, 12, 70, 71, 72, 73, 20, 33, 41, 96], [66, 14, 25, 31, 96]]
+SPAN = (2, 3, 4, 5)  # rollout 0's edited field: completion positions 2..5
+DELTA, FLOOR, REWARD = 1.0, 0.1, 0.5
+
+
+class _Rollouts:
+    """What lemon.train.episodes.SpecRollouts gives the trainer (TRL's rollout_func + the scored records of the step)."""
+
+    def __init__(self, tok, lam: float):
+        self.tok, self.cf_lambda, self.scale_rewards, self.std_floor, self.curriculum_ids = tok, lam, "batch", FLOOR, None
+        self.scorer = SimpleNamespace(reward_cfg=RewardConfig(), sampler=FamilySampler(), cache=NodeCache())
+        br = RewardBreakdown(total=REWARD, success=1.0, token_efficiency=0.5, graph_cost=0.0, valid=True, worker_tokens=10)
+        self.batch = [Rollout("q", "spec", tuple(c), 0, True, None, br, agents=2, edges=1) for c in COMPLETIONS]
+        self.batch[0].family, self.batch[0].delta, self.batch[0].cf_status = "capacity", DELTA, "ok"
+        self.batch[0].span_positions = SPAN
+        self.last_stats = {}
+        self.calls = 0
+
+    def prompt_ids(self):
+        return list(self.tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+
+    def __call__(self, prompts, trainer):
+        assert len(prompts) == len(COMPLETIONS)
+        self.calls += 1
+        return {"prompt_ids": [self.prompt_ids()] * len(COMPLETIONS), "completion_ids": [list(c) for c in COMPLETIONS],
+                "logprobs": None, "rollout_index": list(range(len(COMPLETIONS)))}
+
+
+def _lora(model):
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _policy(path):
+    from lemon.train.policy import PolicyConfig, load_policy
+    model, tok = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=4, lora_alpha=8), seed=0)
+    with torch.no_grad():  # LoRA B starts at 0 (so A would get no gradient): give every adapter weight a value
+        g = torch.Generator().manual_seed(1)
+        for p in _lora(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model, tok
+
+
+def _reference_grads(model, prompt_ids, positions_of, max_grad_norm):
+    """The gradient TRL's dapo loss should produce, the slow obvious way: -(1/N) sum_i sum_{t in positions_of(i)}
+    A_t log p(y_t | prompt, y_<t), one forward per token on the unpadded sequence; N = all completion tokens of the batch;
+    A_t = lambda * delta / max(std of the equal rewards = 0, floor); clipped to max_grad_norm as the Trainer does."""
+    params = _lora(model)
+    n_tokens = sum(len(c) for c in COMPLETIONS)
+    adv = 1.0 * DELTA / max(0.0, FLOOR)
+    loss = 0.0
+    for i, comp in enumerate(COMPLETIONS):
+        for t in positions_of(i):
+            ids = torch.tensor([prompt_ids + comp[:t]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)[comp[t]]
+            loss = loss - adv * logp / n_tokens
+    grads = torch.autograd.grad(loss, list(params.values()))
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    coef = min(1.0, max_grad_norm / (norm + 1e-6))
+    return {n: g * coef for n, g in zip(params, grads)}
+
+
+def _train_one_step(tmp_path, lam: float):
+    """Build the real CF-GRPO trainer (lemon.train.grpo.trainer_class, reward_functions) on the tiny policy and run
+    Trainer.train for one step; returns (model before the step's LoRA weights, gradients at the optimizer step, after)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig
+    from lemon.train.grpo import reward_functions, trainer_class
+    model, tok = _policy(tmp_path / "tiny")
+    rollouts = _Rollouts(tok, lam)
+    funcs, weights = reward_functions(rollouts)
+    args = GRPOConfig(output_dir=str(tmp_path / f"grpo-{lam}"), max_steps=1, learning_rate=1e-2,
+                      per_device_train_batch_size=len(COMPLETIONS), gradient_accumulation_steps=1,
+                      num_generations=len(COMPLETIONS), max_completion_length=16, temperature=1.0, beta=0.0,
+                      reward_weights=weights, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                      use_cpu=True, bf16=False, gradient_checkpointing=False, disable_tqdm=True, log_completions=False)
+    Trainer = trainer_class("transformers")
+    trainer = Trainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
+                      train_dataset=Dataset.from_list([{"prompt": PROMPT}]), rollouts=rollouts)
+    before = {n: p.detach().clone() for n, p in _lora(trainer.model).items()}
+    grads = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):  # after backward and clipping, before AdamW
+            grads.update({n: None if p.grad is None else p.grad.detach().clone() for n, p in _lora(trainer.model).items()})
+    trainer.add_callback(Grab())
+    trainer.train()
+    assert rollouts.calls == 1 and trainer.state.global_step == 1
+    after = {n: p.detach().clone() for n, p in _lora(trainer.model).items()}
+    return trainer, rollouts, before, grads, after
+
+
+def test_cf_term_trains_only_through_the_edited_span_and_lambda_zero_trains_nothing(tmp_path):
+    tiny_model(tmp_path / "tiny")
+    # lambda = 0: the same batch, equal rewards -> no gradient at all, no weight moves
+    _, _, before0, grads0, after0 = _train_one_step(tmp_path, 0.0)
+    assert grads0 and all(g is not None for g in grads0.values())  # backward ran through every adapter weight...
+    assert all(torch.all(g == 0) for g in grads0.values())  # ...and gave exactly nothing
+    assert all(torch.equal(before0[n], after0[n]) for n in before0)
+
+    # lambda = 1: the reference gradients, computed at the weights the step starts from
+    trainer, rollouts, before, grads, after = _train_one_step(tmp_path, 1.0)
+    model, _ = _policy(tmp_path / "tiny")  # the same seeded weights as the trainer's model before its step
+    assert all(torch.equal(p, before[n]) for n, p in _lora(model).items())
+    pids = rollouts.prompt_ids()
+    clip = trainer.args.max_grad_norm
+    span_ref = _reference_grads(model, pids, lambda i: SPAN if i == 0 else (), clip)
+    whole_ref = _reference_grads(model, pids, lambda i: range(len(COMPLETIONS[0])) if i == 0 else (), clip)
+    assert grads.keys() == span_ref.keys() and all(g is not None for g in grads.values())
+    assert any(float(g.abs().max()) > 1e-4 for g in grads.values())  # a real signal, not a vacuous match
+
+    def close(a, b):
+        return all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-7) for n in a)
+    assert close(grads, span_ref), max(float((grads[n] - span_ref[n]).abs().max()) for n in grads)
+    assert not close(whole_ref, span_ref)  # the span restriction is visible in the gradient (the check can fail)
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # and the step moved the adapter
