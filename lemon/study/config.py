@@ -162,7 +162,8 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
         cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
     elif profile == "test":
-        # DRAFT v2
+        # For tests/test_notebooks.py::test_study_end_to_end (issue 28): every code path of the four notebooks once, at 1
+        # question per benchmark on three benchmarks (math, multiple choice, code). Not yet timed on an idle machine.
         cfg = StudyConfig("test", replace(train, max_steps=1), replace(sft, questions=1, epochs=1.0, probe_questions=1),
                           seed=seed, benchmarks=("gsm8k", "mmlu", "humaneval"), eval_n=1,
                           eval_methods=("cot", "chain", "prompted", FIXED, "lemon"),
