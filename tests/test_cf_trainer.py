@@ -137,10 +137,10 @@ def test_cf_term_trains_only_through_the_edited_span_and_lambda_zero_trains_noth
     span_ref = _reference_grads(model, pids, lambda i: SPAN if i == 0 else (), clip)
     whole_ref = _reference_grads(model, pids, lambda i: range(len(COMPLETIONS[0])) if i == 0 else (), clip)
     assert grads.keys() == span_ref.keys() and all(g is not None for g in grads.values())
-    assert any(float(g.abs().max()) > 1e-4 for g in grads.values())  # a real signal, not a vacuous match
-
-    def close(a, b):
-        return all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-7) for n in a)
-    assert close(grads, span_ref), max(float((grads[n] - span_ref[n]).abs().max()) for n in grads)
-    assert not close(whole_ref, span_ref)  # the span restriction is visible in the gradient (the check can fail)
-    assert any(not torch.equal(before[n], after[n]) for n in before)  # and the step moved the adapter
+    flat = lambda gs: torch.cat([gs[n].flatten() for n in sorted(gs)])  # noqa: E731
+    got, span, whole = flat(grads), flat(span_ref), flat(whole_ref)
+    assert got.abs().max() > 1e-4  # a real signal, not a vacuous match of zeros
+    assert torch.allclose(got, span, rtol=1e-4, atol=1e-7), (got - span).abs().max()
+    # the span restriction is visible in the gradient: a trainer that put the contrast on every token would fail above
+    assert not torch.allclose(whole, span, rtol=1e-2, atol=1e-5)
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # and the AdamW step moved the adapter

@@ -228,11 +228,12 @@ def test_restart_drops_rows_of_steps_after_the_checkpoint(tmp_path):
 def _smoke_configs():
     """The smoke presets shrunk to what test_real_smoke_training_run_and_resume proves (issue 28; the smoke study keeps the
     presets as they are): an SFT corpus of ONE row trained twice (batch 1, 2 epochs: 2 steps on the same row, so its loss
-    must drop), no valid-rate probe (each probe is 2 greedy decodes to the 286-token cap: ~1 min of a 3-min budget),
-    a 2-step run killed after its step-1 checkpoint then resumed, no dynamic resampling (a flat group would double the sampling), and the "paper"
-    reward form: with the 135M workers every answer is wrong, so the gated form gives every rollout 0 (no spread, no
-    contrast, LoRA weights that never move and a moved/changed check that passes vacuously); the paper form keeps the
-    token-efficiency and graph-cost terms of wrong answers, so two different specs, or a spec and its edit, differ."""
+    must drop), no valid-rate probe (a greedy decode of up to 286 tokens per probe question before and after SFT: 2 of
+    the 20 min the presets took under load), a 2-step run killed after its step-1 checkpoint then resumed, no dynamic resampling (a flat group would double the
+    sampling), and the "paper" reward form: with the 135M workers every answer is wrong, so the gated form gives every
+    rollout 0 (no spread, no contrast, LoRA weights that never move and a moved/changed check that passes vacuously); the
+    paper form keeps the token-efficiency and graph-cost terms of wrong answers, so two different specs, or a spec and its
+    edit, differ."""
     from dataclasses import replace
     base = train_preset("smoke")
     cfg = train_preset("smoke", max_steps=2, save_steps=1, resample=0, reward=replace(base.reward, form="paper"))
@@ -246,7 +247,7 @@ class _Killed(Exception):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # SFT warm start + 2 CF-GRPO steps (killed and resumed between them) on CPU: <= 3 min on 2 idle cores
+@pytest.mark.timeout(600)  # SFT warm start + 2 CF-GRPO steps, killed and resumed between them: <= 3 min on 2 idle cores
 def test_real_smoke_training_run_and_resume(tmp_path, monkeypatch):
     from lemon.train.grpo import CFStateCallback
     from lemon.train.pipeline import build_pool, train, warm_start

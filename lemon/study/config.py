@@ -1,5 +1,5 @@
-"""The study's configuration: one frozen StudyConfig per run and the named profiles (smoke, cpu, cpu-long, cpu-wide,
-paper) that build it. lemon.study.runner re-exports everything here (notebooks call `study.study_preset`, `study.setup`)."""
+"""The study's configuration: one frozen StudyConfig per run and the named profiles (smoke, test, cpu, cpu-long,
+cpu-wide, paper) that build it. lemon.study.runner re-exports everything here (notebooks call `study.study_preset`, `study.setup`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -14,11 +14,12 @@ from lemon.train.config import TrainConfig, sft_preset, train_preset
 from lemon.train.edits import FAMILIES
 from lemon.train.sft import SFTConfig
 
-# study profile -> the trainer preset (lemon.train.config) it trains with. 'cpu' asks one question with enough questions
-# to answer it (does training help on the math pools?); 'cpu-wide' is the same trainer spread over six benchmarks and
-# every method at 2 questions each (breadth, not a ranking); 'cpu-long' is cpu's question at a size that can separate CF
-# from global GRPO (issue 13's real-worker comparison; ~13 h on 2 cores)
-STUDY_PROFILES = {"test": "smoke", "smoke": "smoke", "cpu": "cpu", "cpu-long": "cpu", "cpu-wide": "cpu", "paper": "paper"}
+# study profile -> the trainer preset (lemon.train.config) it trains with. 'test' is the smoke trainer cut to what the
+# end-to-end notebook test needs (1 step, 1 question per benchmark; study_preset says what it leaves out). 'cpu' asks one
+# question with enough questions to answer it (does training help on the math pools?); 'cpu-wide' is the same trainer
+# spread over six benchmarks and every method at 2 questions each (breadth, not a ranking); 'cpu-long' is cpu's question
+# at a size that can separate CF from global GRPO (issue 13's real-worker comparison; ~13 h on 2 cores)
+STUDY_PROFILES = {"smoke": "smoke", "test": "smoke", "cpu": "cpu", "cpu-long": "cpu", "cpu-wide": "cpu", "paper": "paper"}
 MATH = ("multiarith", "svamp", "gsm8k")
 NOTEBOOKS = ("01_prepare_data", "02_train_grpo_lora", "03_ablations", "04_evaluate")
 FIXED = "best-fixed"  # eval method: the one fixed method (baseline spec) that scores best on a TRAIN-pool dev sample
@@ -39,7 +40,7 @@ class StudyConfig:
     """Everything the four notebooks do for one profile (training itself: `train` / `sft`, from lemon.train.config)."""
 
     profile: str
-    """smoke | cpu | cpu-long | cpu-wide | paper (STUDY_PROFILES)."""
+    """smoke | test | cpu | cpu-long | cpu-wide | paper (STUDY_PROFILES)."""
     train: TrainConfig
     """CF-GRPO config of the main run (lemon.train.config.train_preset(profile))."""
     sft: SFTConfig
@@ -162,13 +163,22 @@ def study_preset(profile: str, seed: int = 0, **overrides) -> StudyConfig:
         # Under heavy contention from other jobs (load ~5 on 2 cores) the same study took ~75 min.
         cfg = StudyConfig("smoke", train, sft, seed=seed, orchestrator_max_tokens=256, ablation_variants=("global", "full", "edge"), ablation_benchmarks=("gsm8k",), ablation_n=1)
     elif profile == "test":
-        # For tests/test_notebooks.py::test_study_end_to_end (issue 28): every code path of the four notebooks once, at 1
-        # question per benchmark on three benchmarks (math, multiple choice, code). Not yet timed on an idle machine.
-        cfg = StudyConfig("test", replace(train, max_steps=1), replace(sft, questions=1, epochs=1.0, probe_questions=1),
-                          seed=seed, benchmarks=("gsm8k", "mmlu", "humaneval"), eval_n=1,
+        # tests/test_notebooks.py::test_study_end_to_end (issue 28): each kind of step of the four notebooks once, on the real
+        # code paths (llama-server workers and the 135M policy everywhere; SFT warm start on 2 corpus rows, 1 epoch = 1 step;
+        # 1 CF-GRPO step; the trained policy writes its eval specs on llama-server, 3-5x faster than transformers here),
+        # 1 question per benchmark on one math and one multiple-choice benchmark; methods: a single-agent baseline, a
+        # multi-agent one, the prompted orchestrator, best-fixed (2 candidates on 1 dev question) and LEMON; the SFT
+        # warm start as the one ablation variant (so summary.md leads with the lemon-vs-sft answer). Left out for time,
+        # each measured on the same machine: the valid-rate probes (probe_questions=0; one probe question took ~60 s
+        # before SFT and ~145 s after it: the 135M policy greedy-decodes ~7 tokens/s in transformers here, up to 286),
+        # HumanEval (512-token code replies: +~150 s over edit effects and 04), a trained variant (a 2nd CF-GRPO step, +~85 s).
+        # The smoke profile keeps all of them. MEASURED (2026-12-04, AMD EPYC, 2 idle cores, AVX2): 01 4 s, 02 104 s
+        # (SFT 21 s, the CF-GRPO step 73 s), 03 37 s, 04 66 s; the test (+ resume 13 s + nbval 26 s) 250 s.
+        cfg = StudyConfig("test", replace(train, max_steps=1), replace(sft, questions=1, epochs=1.0, probe_questions=0),
+                          seed=seed, benchmarks=("gsm8k", "mmlu"), eval_n=1,
                           eval_methods=("cot", "chain", "prompted", FIXED, "lemon"),
                           fixed_candidates=("cot@small", "vanilla@large"), fixed_dev_n=1, orchestrator_max_tokens=256,
-                          edit_n=1, ablation_variants=("global",), ablation_benchmarks=("gsm8k",), ablation_n=1, gallery=2,
+                          edit_n=1, ablation_variants=("sft",), ablation_benchmarks=("gsm8k",), ablation_n=1, gallery=2,
                           policy_server=True)
     elif profile == "cpu":
         # The embedded default asks ONE question: does CF-GRPO training help with these workers? The trained policy

@@ -1,6 +1,6 @@
 """The user-facing study: notebooks 01 (data) -> 02 (SFT + CF-GRPO) -> 03 (ablations) -> 04 (evaluation), executed with
 papermill into outputs/<profile>-<timestamp>/ by ONE command
-(`scripts/main.sh --profile smoke|cpu|cpu-long|cpu-wide|paper [--out DIR | --resume]`).
+(`scripts/main.sh --profile test|smoke|cpu|cpu-long|cpu-wide|paper [--out DIR | --resume]`).
 Here: the folder layout and the runner (the config of each profile: lemon.study.config); what each notebook computes is in lemon.study.stages,
 the plots and summary tables in lemon.study.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
 are skipped (a marker under .done/), and inside a notebook training resumes from checkpoints and evaluation from results.jsonl.
@@ -224,8 +224,9 @@ def _raise_interrupt(signum, frame):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lemon.study", description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
     p.add_argument("--profile", default="cpu", choices=list(STUDY_PROFILES),
-                   help="smoke (CI, ~25 min) | cpu (does training help? 2 cores, ~2 h) | cpu-long (the same, CF vs global, "
-                        "150 questions, ~13 h) | cpu-wide (six benchmarks) | paper (GPU)")
+                   help="test (the notebook test's study, ~4 min) | smoke (135M everywhere, 6 benchmarks, ~20 min) | cpu "
+                        "(does training help? 2 cores, ~2 h) | cpu-long (the same, CF vs global, 150 questions, ~13 h) | "
+                        "cpu-wide (six benchmarks) | paper (GPU)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--out", help="study folder (an existing one is resumed; default: a new outputs/<profile>-<timestamp>)")
     g.add_argument("--resume", action="store_true", help="resume the newest outputs/<profile>-* study")
