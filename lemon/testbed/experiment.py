@@ -230,9 +230,7 @@ def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prom
     msgs = [orchestrator_messages(e.question, d, prompts, cfg.max_agents) for e, d in zip(heldout, domains)]
     constraint = None
     if getattr(cfg, "constrained", False):
-        from lemon.spec.grammar import SpecGrammar
-        constraint = GrammarConstraint(tuple(SpecGrammar.for_domain(prompts, d, max_agents=cfg.max_agents, role_chars=cfg.role_chars,
-                                                                 duty_chars=cfg.duty_chars) for d in domains))
+        constraint = GrammarConstraint(tuple(cfg.grammar(prompts, d) for d in domains))
     done, written = {r["step"] for r in read_jsonl(run_dir / "heldout.jsonl")}, 0
     for step, adapter in eval_points(run_dir, exp):
         if step in done:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from lemon.spec import MAX_AGENTS
-from lemon.spec.schema import DUTY_CHARS, MAX_LEN, ROLE_CHARS
+from lemon.spec.grammar import SpecGrammar
+from lemon.spec.schema import DUTY_CHARS, ROLE_CHARS
 from lemon.train.dtype import SAMPLING_DTYPES
 from lemon.train.edits import FAMILIES
 from lemon.train.policy import PolicyConfig
@@ -140,13 +141,16 @@ class TrainConfig:
         if self.reward.max_agents != self.max_agents:
             raise ValueError(f"reward.max_agents={self.reward.max_agents} != max_agents={self.max_agents}: graph cost must be "
                              "normalised by the largest spec training allows (use train_preset, or set both)")
-        if not 2 <= self.role_chars <= MAX_LEN["role"] or not 2 <= self.duty_chars <= MAX_LEN["duty"]:
-            raise ValueError(f"role_chars={self.role_chars} / duty_chars={self.duty_chars} must be in 2..{MAX_LEN['role']} / "
-                             f"2..{MAX_LEN['duty']} (what parse_spec accepts)")
+        SpecGrammar(("solver",), role_chars=self.role_chars, duty_chars=self.duty_chars)  # its own bounds check (ValueError)
         need = size_budgets(self.max_agents, self.worker_max_tokens)["completion"]
         if self.constrained and self.max_completion_length < need:
             raise ValueError(f"max_completion_length={self.max_completion_length} cannot hold a {self.max_agents}-agent spec "
                              f"(~{need} tokens, lemon.train.config.size_budgets)")
+
+    def grammar(self, prompts, domain: str) -> SpecGrammar:
+        """The spec grammar rollouts of this config are sampled under for a task of `domain` (training and held-out eval)."""
+        return SpecGrammar.for_domain(prompts, domain, max_agents=self.max_agents, role_chars=self.role_chars,
+                                      duty_chars=self.duty_chars)
 
     def to_dict(self) -> dict:
         return asdict(self)

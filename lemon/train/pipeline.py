@@ -158,10 +158,8 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
         concurrency=cfg.rollout_concurrency, worker_seed_per_step=cfg.worker_seed_per_step)
     grammars = cache = None
     if cfg.constrained:  # one grammar per domain (its base roles), compiled once per run
-        from lemon.spec.grammar import GrammarCache, SpecGrammar
-        by_domain = {d: SpecGrammar.for_domain(prompts, d, max_agents=cfg.max_agents, role_chars=cfg.role_chars,
-                                               duty_chars=cfg.duty_chars)
-                     for d in {benches[e.benchmark].domain for e in examples}}
+        from lemon.spec.grammar import GrammarCache
+        by_domain = {d: cfg.grammar(prompts, d) for d in {benches[e.benchmark].domain for e in examples}}
         grammars, cache = {e.id: by_domain[benches[e.benchmark].domain] for e in examples}, GrammarCache()
     by_prompt = {prompt_key(r["prompt"]): r["example_id"] for r in rows}
     rollouts = SpecRollouts(scorer, tok, by_prompt, num_generations=cfg.num_generations, temperature=cfg.temperature,
