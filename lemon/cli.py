@@ -1,4 +1,4 @@
-"""Command line: `python -m lemon {eval,run,data}`. Errors from bad input are printed as one clear line (exit 2)."""
+"""Command line: `python -m lemon {eval,run,train,data}`. Errors from bad input are printed as one clear line (exit 2)."""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +12,9 @@ from lemon.prompts import CAPACITIES, load_prompts
 
 def _pool(args, log_dir: Path | None = None):
     """--workers YAML, else the embedded default (one managed llama-server per shipped model, logs in `log_dir`)."""
-    from lemon.run.workers import WorkerPool
+    from lemon.run.workers import WorkerPool, load_worker_config
     if args.workers:
-        text = Path(args.workers).read_text()
-        import yaml
-        return WorkerPool.from_config(yaml.safe_load(text), log_dir=log_dir)
+        return WorkerPool.from_config(load_worker_config(args.workers), log_dir=log_dir)
     return WorkerPool.embedded_default(log_dir=log_dir)
 
 
@@ -79,12 +77,18 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from lemon.train.config import sft_preset, train_preset
+    from lemon.train.config import sft_preset, train_preset, workers_from_file
     from lemon.train.pipeline import train, warm_start
     over = {"cf_lambda": args.cf_lambda} if args.cf_lambda is not None else {}
     if args.max_steps:
         over["max_steps"] = args.max_steps
+    caps = None
+    if args.workers:
+        over["workers"], caps = workers_from_file(args.workers)
     cfg = train_preset(args.profile, seed=args.seed, **over)
+    if caps and caps != cfg.worker_max_tokens:
+        print(f"note: training caps worker replies at the {args.profile} profile's {cfg.worker_max_tokens} (they size its "
+              f"budgets), not {args.workers}'s max_tokens {caps}", file=sys.stderr)
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
     print(f"training config: {cfg}")
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
     t.add_argument("--cf-lambda", type=float, help="override the CF weight (0 = plain GRPO)")
     t.add_argument("--max-steps", type=int)
     t.add_argument("--no-sft", action="store_true", help="skip the SFT warm start")
+    t.add_argument("--workers", help="YAML/JSON worker-pool config for training and the warm start, e.g. "
+                   "configs/workers-paper.yaml (default: the profile's workers; paper: configs/workers-paper.yaml)")
     t.add_argument("--prompts")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_train)

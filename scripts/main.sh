@@ -8,4 +8,21 @@
 # models? 60 paired math questions; 116 min measured on 2 idle cores, 2026-12-02).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python -m lemon.study "$@"
+# --profile paper runs in the GPU environment (.venv-gpu: CUDA torch, unsloth, vLLM; bash scripts/setup-gpu.sh builds it), every
+# other profile in the CPU environment (.venv; bash scripts/setup.sh).
+PY=.venv/bin/python
+profile= prev=
+for arg in "$@"; do  # the last --profile wins, as in argparse
+  if [ "$prev" = --profile ]; then profile=$arg; fi
+  case $arg in --profile=*) profile=${arg#--profile=} ;; esac
+  prev=$arg
+done
+if [ "$profile" = paper ]; then
+  PY=.venv-gpu/bin/python
+  if [ ! -x "$PY" ]; then
+    echo "main.sh: --profile paper runs in the GPU environment $PY, which is missing: run \`bash scripts/setup-gpu.sh\` first" \
+      "(a CUDA machine; see requirements-gpu.in)" >&2
+    exit 1
+  fi
+fi
+exec "$PY" -m lemon.study "$@"

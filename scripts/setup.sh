@@ -122,6 +122,5 @@ if [ -n "$BUILD_PID" ]; then
 fi
 .venv/bin/llama-server --version 2>&1 | grep -m1 -i version | sed 's/^/setup: llama-server /' || true
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch,transformers,trl;print("torch",torch.__version__,"transformers",transformers.__version__,"trl",trl.__version__)'))"
-# GPU-only extras (CUDA machines with internet). Install into a SEPARATE environment from the CPU stack:
-# unsloth caps trl (unsloth 2026.10.9 -> trl<=1.15.0), which breaks CPU GRPO in requirements.txt.
-#   pip install -r requirements-gpu.txt && pip install -e . --no-deps
+# The GPU stack (CUDA torch, Unsloth, vLLM; unsloth 2026.10.9 caps trl at 1.15, whose GRPO loss cannot run on a CPU) is a
+# SEPARATE environment: bash scripts/setup-gpu.sh (.venv-gpu, hashed requirements-gpu.txt).

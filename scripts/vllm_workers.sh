@@ -21,7 +21,11 @@
 # | large    | Qwen/Qwen2.5-32B-Instruct           | Qwen/Qwen2.5-32B-Instruct-AWQ   | ~19.3   | 0.22 | ~31.0     | ~9 GB  ~36k tok (256 KB/tok) |
 # | policy   | Qwen2.5-7B-Instruct + LoRA r=16     | Unsloth, bf16 (4-bit optional)  | ~15.2   |  -   | ~70 left  | optimizer, activations, G=4 rollouts |
 #
-# Workers total 0.50 of the GPU. ~2 GB per server goes to activations and CUDA graphs before the KV cache. --max-model-len
+# Workers total 0.50 of the GPU. ~2 GB per server goes to activations and CUDA graphs before the KV cache, and each process's
+# CUDA context (~0.5-1 GB, the policy's too) sits OUTSIDE every fraction: budget ~3 GB for the four contexts. The policy's
+# training step was measured on an H200 (outputs/reference/gpu-check-20261204: random-init 7B shape, LoRA r=16, batch 16,
+# prompt 970 + completion 740, gradient checkpointing on, as the paper preset sets it): peak 34.1 GiB, 3.8 s; off: 134 GiB
+# at micro-batch 8, which would NOT fit beside the workers. --max-model-len
 # 8192 covers the executor's worst prompt (8 agents) plus a 1024-token reply, so the large server holds ~4 full-length or
 # ~20 typical (~1.5k-token) sequences at once; lower max_concurrency in the workers YAML if requests queue. AWQ keeps the
 # 14B / 32B within a few points of bf16 on GSM8K/MMLU in Qwen's reports; use the bf16 checkpoints when you have the memory
@@ -33,8 +37,8 @@ read -r -a UTIL <<<"${LEMON_VLLM_UTIL:-0.15 0.13 0.22}"
 NAMES=(Qwen/Qwen2.5-7B-Instruct Qwen/Qwen2.5-14B-Instruct Qwen/Qwen2.5-32B-Instruct)  # = configs/workers-paper.yaml
 PORTS=(8001 8002 8003)
 LOGS=${LEMON_VLLM_LOGS:-outputs/vllm-workers}
-VLLM=${VLLM:-vllm}
-command -v "$VLLM" >/dev/null || { echo "vllm_workers: '$VLLM' not found; pip install -r requirements-gpu.txt in a CUDA env" >&2; exit 1; }
+VLLM=${VLLM:-$( [ -x .venv-gpu/bin/vllm ] && echo .venv-gpu/bin/vllm || echo vllm )}
+command -v "$VLLM" >/dev/null || { echo "vllm_workers: '$VLLM' not found; run bash scripts/setup-gpu.sh (.venv-gpu) on a CUDA machine" >&2; exit 1; }
 [ ${#MODELS[@]} -eq 3 ] && [ ${#UTIL[@]} -eq 3 ] || { echo "vllm_workers: need 3 models and 3 utilizations" >&2; exit 1; }
 mkdir -p "$LOGS"
 PIDS=()

@@ -19,6 +19,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 from _tiny import tiny_model  # noqa: E402  (tests/_tiny.py)
+from lemon.train.grpo import CPU_MIN_TRL  # noqa: E402
+
+import trl  # noqa: E402
+if tuple(int(x) for x in trl.__version__.split(".")[:2]) < CPU_MIN_TRL:  # the GPU environment's trl (lemon.train.grpo)
+    pytest.skip(f"trl {trl.__version__} cannot train on a CPU (check_trl_cpu); this test trains on the CPU",
+                allow_module_level=True)
 
 from lemon.run.executor import NodeCache  # noqa: E402
 from lemon.train.edits import FamilySampler  # noqa: E402
@@ -62,7 +68,10 @@ def _lora(model):
 
 def _policy(path):
     from lemon.train.policy import PolicyConfig, load_policy
-    model, tok = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=4, lora_alpha=8), seed=0)
+    # fp32 explicitly: 'auto' loads bf16 wherever CUDA exists, and this test's trainer runs on the CPU (use_cpu=True)
+    # against an fp32 reference (on the H200 machine 'auto' gave a 5e-4 gradient mismatch, 2026-12-04)
+    model, tok = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=4, lora_alpha=8, dtype="fp32"),
+                             seed=0)
     with torch.no_grad():  # LoRA B starts at 0 (so A would get no gradient): give every adapter weight a value
         g = torch.Generator().manual_seed(1)
         for p in _lora(model).values():

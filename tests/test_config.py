@@ -95,3 +95,47 @@ def test_grammar_text_bounds_are_checked_and_reach_the_grammar():
     cfg = C.train_preset("smoke", role_chars=12, duty_chars=24)
     g = SpecGrammar(("solver",), role_chars=cfg.role_chars, duty_chars=cfg.duty_chars)
     assert "{0,10}" in g.lark() and "{0,22}" in g.lark()  # the regex bounds the grammar compiles from
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_paper_workers_are_written_once_in_the_yaml():
+    """Issue 29, finding 7: the paper preset's workers (entries with their client settings, and reply caps) are
+    configs/workers-paper.yaml's; lemon/train/config.py holds no second worker list."""
+    import inspect
+    import yaml
+    y = yaml.safe_load((ROOT / "configs" / "workers-paper.yaml").read_text())
+    cfg = C.train_preset("paper")
+    assert cfg.workers == {k: v for k, v in y.items() if k != "max_tokens"}
+    assert cfg.worker_max_tokens == y["max_tokens"]
+    src = inspect.getsource(C)
+    assert not any(w["base_url"] in src for w in cfg.workers.values()) and "8001" not in src
+    assert "Qwen2.5-14B" not in src and "Qwen2.5-32B" not in src
+
+
+def test_lemon_train_workers_flag_reaches_the_config(tmp_path, monkeypatch, capsys):
+    """`lemon train --workers FILE`: the file's entries (timeout_s, max_concurrency, ...) reach the warm start's and the
+    trainer's config and the pool build_pool makes from it; its max_tokens do not resize the profile (a note says so)."""
+    import yaml
+    import lemon.train.pipeline as pipeline
+    from lemon.cli import main
+    entry = {"backend": "openai", "base_url": "http://10.9.9.9:9000/v1", "model": "m", "timeout_s": 900,
+             "max_concurrency": 7, "max_retries": 5, "backoff_s": 1.5}
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump({**{c: entry for c in ("small", "medium", "large")},
+                                                      "max_tokens": {"small": 99, "medium": 99, "large": 99}}))
+    seen = []
+    monkeypatch.setattr(pipeline, "warm_start", lambda cfg, *a, **k: seen.append(cfg) or {
+        "rows": 0, "valid_before": {"rate": 0.0}, "valid_after": {"rate": 0.0, "n": 0}, "adapter": "sft"})
+    monkeypatch.setattr(pipeline, "train", lambda cfg, *a, **k: seen.append(cfg) or {"history": [], "adapter": "a"})
+    assert main(["train", "--profile", "smoke", "--out", str(tmp_path / "run"), "--workers", str(tmp_path / "w.yaml")]) == 0
+    assert len(seen) == 2 and all(c.workers == {c_: entry for c_ in ("small", "medium", "large")} for c in seen)
+    assert seen[1].worker_max_tokens == C.train_preset("smoke").worker_max_tokens
+    assert "note" in capsys.readouterr().err
+    pool = pipeline.build_pool(seen[1])  # OpenAI clients: nothing connects until a request
+    try:
+        b = pool.backends["medium"]
+        assert (b._timeout_s, b.max_concurrency, b.max_retries, b.backoff_s) == (900, 7, 5, 1.5)
+    finally:
+        pool.close()
+    assert main(["train", "--out", str(tmp_path / "r2"), "--workers", str(tmp_path / "missing.yaml")]) == 2

@@ -390,3 +390,36 @@ def test_transformers_backend_counts_tokens(tmp_path):
     be.close()
     with pytest.raises(BackendUnavailableError):
         be.chat(MSGS, SamplingParams(max_tokens=2))
+
+
+def test_paper_profile_pool_gets_the_yaml_client_settings(tmp_path):
+    """Issue 29, finding 7: the pool the trainer builds for the paper profile (pipeline.build_pool) has
+    configs/workers-paper.yaml's timeout_s / max_concurrency / max_retries / backoff_s / max_tokens, not the client's
+    defaults (60 s, 4 in flight). OpenAI clients only: nothing connects until a request."""
+    import inspect
+    from pathlib import Path
+    import yaml
+    from lemon.train.config import train_preset
+    from lemon.train.pipeline import build_pool
+    y = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "workers-paper.yaml").read_text())
+    defaults = inspect.signature(OpenAIBackend).parameters
+    assert y["small"]["timeout_s"] == 600 != defaults["timeout_s"].default
+    assert y["small"]["max_concurrency"] == 32 != defaults["max_concurrency"].default
+    pool = build_pool(train_preset("paper"))
+    try:
+        for cap in ("small", "medium", "large"):
+            b, e = pool.backends[cap], y[cap]
+            assert isinstance(b, OpenAIBackend) and (b.base_url, b.model) == (e["base_url"], e["model"])
+            assert (b._timeout_s, b._client.timeout, b.max_concurrency, b.max_retries, b.backoff_s) == \
+                (e["timeout_s"], e["timeout_s"], e["max_concurrency"], e["max_retries"], e["backoff_s"])
+            assert pool.params[cap].max_tokens == y["max_tokens"][cap]
+    finally:
+        pool.close()
+
+
+def test_load_worker_config_refuses_what_from_config_cannot_take(tmp_path):
+    from lemon.run.workers import load_worker_config
+    for bad in ("- a\n- b\n", "", "small: {backend: fake, model: f}\nmax_tokens: 5\n"):
+        (tmp_path / "w.yaml").write_text(bad)
+        with pytest.raises(ValueError, match="worker config|max_tokens"):
+            load_worker_config(tmp_path / "w.yaml")

@@ -20,7 +20,7 @@ from lemon.run.servers import ServerConfig, ServerManager
 
 __all__ = ["Backend", "BackendError", "BackendUnavailableError", "Completion", "FakeBackend", "ModelUnavailableError",
            "OpenAIBackend", "SamplingParams", "ServerConfig", "ServerManager", "TokenMeter", "TransformersBackend",
-           "UnknownCapacityError", "WorkerPool"]
+           "UnknownCapacityError", "WorkerPool", "load_worker_config"]
 
 DEFAULT_MAX_TOKENS = {"small": 256, "medium": 384, "large": 512}
 
@@ -166,6 +166,18 @@ class WorkerPool:
             raise
         return cls(backends, {cap: SamplingParams(max_tokens=int(max_tokens.get(cap, DEFAULT_MAX_TOKENS.get(cap, 256))))
                               for cap in backends}, servers=manager)
+
+
+def load_worker_config(path: str | Path) -> dict:
+    """A worker-pool file (YAML, or JSON: a subset of YAML) as the mapping WorkerPool.from_config takes: {capacity: entry,
+    "max_tokens": {capacity: n}}. The one reader of --workers files (`lemon eval/run/train`, the paper preset)."""
+    import yaml
+    cfg = yaml.safe_load(Path(path).read_text())
+    if not isinstance(cfg, dict) or not cfg:
+        raise ValueError(f"worker config {path} must be a non-empty mapping of capacity -> worker, got {type(cfg).__name__}")
+    if not isinstance(cfg.get("max_tokens") or {}, dict):
+        raise ValueError(f"max_tokens in {path} must map capacity -> tokens")
+    return cfg
 
 
 def _plan_servers(cfg: dict) -> dict[str, tuple[str, ServerConfig]]:

@@ -65,12 +65,13 @@ def step_advantages(rewards, groups, deltas, completion_mask: torch.Tensor, span
                     scale: str = "batch", std_floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One step's (B, T) advantages from per-rollout rewards (None = errored, excluded), group ids and CF deltas (0 where
     there is no counterfactual). Returns (advantages (B, T), keep (B,) bool, the batch scale s (for logging; the mean of
-    s_i under "group"))."""
+    s_i under "group")); advantages and keep are on completion_mask's device (CUDA in a GPU run)."""
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}; valid: {', '.join(SCALES)}")
     if std_floor <= 0:
         raise ValueError(f"std_floor={std_floor} must be > 0")
     B = completion_mask.shape[0]
+    dev = completion_mask.device  # the rewards-side arithmetic is tiny and runs on the CPU; its (B,) results follow the mask
     if not len(rewards) == len(groups) == len(deltas) == B:
         raise ValueError(f"{len(rewards)} rewards, {len(groups)} groups, {len(deltas)} deltas for a batch of {B}")
     keep = torch.tensor([r is not None for r in rewards])  # (B,)
@@ -88,6 +89,9 @@ def step_advantages(rewards, groups, deltas, completion_mask: torch.Tensor, span
         vals = r[keep]
         s[:] = max(float(vals.std(unbiased=False)) if vals.numel() >= 2 else 0.0, std_floor)
     delta = torch.tensor([float(d) for d in deltas]) * keep  # (B,) never a contrast on an errored rollout
-    adv = cf_advantages(centred, completion_mask, span_mask, delta, lam, scale=s)  # (B, T)
+    s_mean = float(s[keep].mean()) if keep.any() else float(s.mean())
+    # on CUDA the masks live on the GPU (TRL's completion_mask): move the (B,) vectors there, never the (B, T) masks back
+    centred, delta, s, keep = (x.to(dev) for x in (centred, delta, s, keep))
+    adv = cf_advantages(centred, completion_mask, span_mask.to(dev), delta, lam, scale=s)  # (B, T) on the mask's device
     adv = adv * keep[:, None].to(adv.dtype)
-    return adv, keep, float(s[keep].mean()) if keep.any() else float(s.mean())
+    return adv, keep, s_mean

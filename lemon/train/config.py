@@ -3,6 +3,7 @@ rejects combinations that cannot work, with an error that says why."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from lemon.spec import MAX_AGENTS
 from lemon.spec.grammar import SpecGrammar
@@ -15,6 +16,19 @@ from lemon.train.sft import SFTConfig
 
 PROFILES = ("smoke", "cpu", "paper")
 TRAIN_DTYPES = ("auto", "fp32", "bf16")
+PAPER_WORKERS = Path(__file__).resolve().parents[2] / "configs" / "workers-paper.yaml"
+"""The paper profile's workers: the only place their endpoints, client settings (timeout_s, max_concurrency, max_retries,
+backoff_s) and reply caps (max_tokens) are written; train_preset('paper') reads it."""
+
+
+def workers_from_file(path) -> tuple[dict, dict]:
+    """A --workers file (lemon.run.workers.load_worker_config) split into TrainConfig.workers (its capacity entries, with
+    every client setting) and its max_tokens ({} if none). Training caps replies at TrainConfig.worker_max_tokens (they size
+    the budgets; pipeline.build_pool hands them to the pool), so a file's max_tokens reach training only via the paper preset."""
+    from lemon.run.workers import load_worker_config
+    cfg = load_worker_config(path)
+    caps = cfg.pop("max_tokens", None) or {}
+    return cfg, caps
 
 
 # Measured sizes used to size presets (2026-12-01; tests/test_config.py re-measures them with the real tokenizers):
@@ -102,6 +116,8 @@ class TrainConfig:
     """How rollouts are sampled (lemon.train.dtype): 'auto' (a bf16 copy on a native-bf16 CPU), 'model', 'bf16_copy', 'autocast_bf16'."""
     train_dtype: str = "auto"
     """Loss forward/backward: 'auto' (bf16 autocast where the CPU supports it, fp32 otherwise; CUDA: bf16), 'fp32', 'bf16'."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (the paper profile: a 7B policy at batch 16 x ~1.7k tokens needs it)."""
     worker_max_tokens: dict = field(default_factory=lambda: {"small": 192, "medium": 256, "large": 320})
     """Per-capacity cap on each agent's reply during training."""
     task_token_budget: int = 6000
@@ -182,16 +198,16 @@ def train_preset(profile: str, **overrides) -> TrainConfig:
                      train_questions=64, num_generations=4, batch_size=8, micro_batch=4, max_steps=8,
                      learning_rate=2e-5, resample=2)
     elif profile == "paper":
-        # One GPU with internet: Qwen2.5-7B policy via Unsloth; one vLLM server per capacity (scripts/vllm_workers.sh;
-        # edit the base_urls to your servers). Paper: G=4, ~1500 steps.
-        cfg = _sized("paper", 8, {"small": 1024, "medium": 1024, "large": 1024},
-                     policy=PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="auto"),
-                     workers={c: {"backend": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": m}
-                              for c, port, m in (("small", 8001, "Qwen/Qwen2.5-7B-Instruct"),
-                                                 ("medium", 8002, "Qwen/Qwen2.5-14B-Instruct"),
-                                                 ("large", 8003, "Qwen/Qwen2.5-32B-Instruct"))},
+        # One GPU with internet: Qwen2.5-7B policy via Unsloth; one vLLM server per capacity (scripts/vllm_workers.sh),
+        # workers and reply caps read from PAPER_WORKERS (edit its base_urls, or pass `lemon train --workers`). Paper: G=4,
+        # ~1500 steps.
+        workers, caps = workers_from_file(PAPER_WORKERS)
+        if set(caps) != set(workers):
+            raise ValueError(f"{PAPER_WORKERS}: max_tokens must name every capacity ({sorted(workers)}), got {sorted(caps)}")
+        cfg = _sized("paper", 8, caps, policy=PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="auto"), workers=workers,
                      benchmarks=("gsm8k", "multiarith", "svamp", "aqua", "mmlu", "humaneval"), train_questions=6000,
-                     num_generations=4, batch_size=16, max_steps=1500, save_steps=50, rollout_concurrency=64)
+                     num_generations=4, batch_size=16, max_steps=1500, save_steps=50, rollout_concurrency=64,
+                     gradient_checkpointing=True)
     else:
         raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
     return replace(cfg, **overrides)

@@ -12,8 +12,10 @@ One step, in the order it runs:
    TRL treats as unscorable), then `_generate_and_score_completions` below REPLACES TRL's advantages with ours
    (lemon.train.cf.step_advantages: one scale for the global and the counterfactual term; errored rollouts masked out of the
    loss) and TRL's loss does the rest.
-Putting the counterfactual term in (B, T) advantages rather than in a loss override keeps it valid under Unsloth, which
-replaces compute_loss on CUDA. cf_lambda = 0 gives plain GRPO with the same sampling, scoring and scaling.
+The counterfactual term lives in (B, T) advantages rather than in a loss override. TRL's loss takes them as they are;
+Unsloth's loss (it replaces compute_loss on CUDA) scores its own token window, so lemon.train.unsloth_compat re-lays them
+out for it and refuses the one split (micro-batches under cf_lambda > 0) where that window cannot be known in advance.
+cf_lambda = 0 gives plain GRPO with the same sampling, scoring and scaling.
 
 The trainer class is BUILT (trainer_class) rather than defined at import: Unsloth swaps trl.GRPOTrainer for its patched class
 when unsloth is imported, so on CUDA we must import unsloth first and subclass what trl exports then.
@@ -44,6 +46,23 @@ def check_trl(version: str | None = None) -> None:
     if parts < MIN_TRL:
         raise ImportError(f"trl {v} is too old for CF-GRPO: versions before {'.'.join(map(str, MIN_TRL))} unsqueeze (B, T) "
                           "advantages into (B, B, T) without an error; install the pinned trl (requirements.txt)")
+
+
+CPU_MIN_TRL = (1, 16)  # trl 1.15 computes GRPO log-probs through its Triton fused LM head whatever the device (below)
+
+
+def check_trl_cpu(version: str | None = None) -> None:
+    """Refuse CPU training on a trl whose GRPO loss needs Triton on CUDA. trl 1.15's _get_per_token_logps_and_entropies
+    always calls the fused LM head (trl/trainer/utils.py _ChunkedLogProbFunction): on a CPU-only torch that is None
+    ("'NoneType' object has no attribute 'apply'"), on a CUDA host training on the CPU Triton refuses the CPU tensors.
+    Seen 2026-12-04 (outputs/reference/gpu-check-20261204): the GPU environment (requirements-gpu.txt: trl 1.15, the
+    newest Unsloth allows) trains fine on CUDA; CPU training needs requirements.txt's trl 1.16."""
+    import trl
+    v = version or trl.__version__
+    parts = tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+    if parts < CPU_MIN_TRL:
+        raise ImportError(f"trl {v} cannot run the GRPO loss on a CPU (its fused LM head needs Triton on CUDA); CPU training "
+                          f"needs trl >= {'.'.join(map(str, CPU_MIN_TRL))} (requirements.txt, scripts/setup.sh)")
 
 
 class CFGRPOMixin:
@@ -78,6 +97,11 @@ class CFGRPOMixin:
         out["advantages"] = adv.to(out["advantages"].dtype)  # (B, T)
         out["completion_mask"] = cmask * keep[:, None].to(cmask.dtype)  # errored rollouts leave the loss entirely
         out["num_items_in_batch"] = out["completion_mask"].sum()
+        from lemon.train.unsloth_compat import is_unsloth_trainer, unsloth_advantages
+        if is_unsloth_trainer(self):  # its loss scores its own token window and rebuilds the mask (unsloth_compat's doc)
+            out["advantages"] = unsloth_advantages(out, cmask, pad_id=self.processing_class.pad_token_id,
+                                                   cf_lambda=self.rollouts.cf_lambda,
+                                                   steps_per_generation=self.args.steps_per_generation)
         self._log_rollouts(recs, scale)
         return out
 
@@ -140,6 +164,17 @@ def trainer_class(backend: str = "transformers") -> type:
         raise RuntimeError(f"unsloth is imported but trl.GRPOTrainer is {base.__module__}.{base.__name__}, not Unsloth's "
                            "patched class: this unsloth/trl pair does not patch GRPO (see requirements-gpu.txt pins)")
     return type("CFGRPOTrainer", (CFGRPOMixin, base), {"__doc__": CFGRPOMixin.__doc__})
+
+
+def config_class(backend: str = "transformers") -> type:
+    """trl.GRPOConfig as the trainer of `backend` expects it. Unsloth replaces trl.GRPOConfig with its own subclass (extra
+    fields its patched trainer reads) when it is imported, so for 'unsloth' it must be imported first: a `from trl import
+    GRPOConfig` earlier in a fresh process (notebook 03, a resumed run, --no-sft) handed the patched trainer a plain config
+    (issue 29, finding 4)."""
+    if backend == "unsloth":
+        import unsloth  # noqa: F401
+    import trl
+    return trl.GRPOConfig
 
 
 def reward_functions(rollouts: "SpecRollouts"):

@@ -131,10 +131,8 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
            scorer_factory=None) -> dict:
     import torch
     from datasets import Dataset
-    from trl import GRPOConfig
-    from lemon.train.dtype import cpu_bf16_native, resolve_sample_dtype
     from lemon.train.episodes import SpecRollouts, prompt_key
-    from lemon.train.grpo import CFStateCallback, load_cf_state, reward_functions, trainer_class
+    from lemon.train.grpo import reward_functions, trainer_class
     from lemon.train.scoring import SpecScorer
 
     examples = examples if examples is not None else training_examples(cfg)
@@ -142,6 +140,11 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
     rows = [{"prompt": orchestrator_messages(e.question, benches[e.benchmark].domain, prompts, cfg.max_agents),
              "example_id": e.id} for e in examples]
     backend = resolve_backend(cfg.policy)
+    if backend == "unsloth" and cfg.cf_lambda > 0 and (cfg.micro_batch or cfg.batch_size) < cfg.batch_size:
+        # refused here, before minutes of loading, rather than at the first step (lemon.train.unsloth_compat says why)
+        raise ValueError(f"the unsloth backend with cf_lambda > 0 needs micro_batch = batch_size ({cfg.batch_size}), got "
+                         f"micro_batch={cfg.micro_batch}: Unsloth's loss window per micro-batch is unknown when the "
+                         "advantages are made. Use micro_batch=0, cf_lambda=0, or policy backend 'transformers'.")
     if not (out / "manifest.json").exists():
         write_json(out / "manifest.json", build_manifest(cfg.to_dict(), prompts_sha256=prompts.sha256, workers=pool.describe(),
                                                          seeds={"train": cfg.seed},
@@ -167,24 +170,52 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
                             resample=cfg.resample,
                             seed=cfg.seed, scale_rewards=cfg.scale_rewards, std_floor=cfg.std_floor,
                             rollouts_path=out / "rollouts.jsonl",
-                            sample_dtype=resolve_sample_dtype(cfg.sample_dtype, model.device),
+                            sample_dtype=sample_dtype_for(cfg),
                             curriculum_ids=[r["example_id"] for r in rows] if cfg.curriculum else None)
     funcs, weights = reward_functions(rollouts)
+    Trainer = trainer_class(backend)
+    args = grpo_args(cfg, out, weights, progress, backend)
+    trainer = Trainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
+                      train_dataset=Dataset.from_list(rows), rollouts=rollouts)
+    return _fit(trainer, rollouts, cfg, out, tok, init_adapter, args.bf16, progress)
+
+
+def sample_dtype_for(cfg: TrainConfig) -> str:
+    """How rollouts sample, resolved for the device the TRAINER samples on. The policy is still on the CPU when this is
+    decided; resolving against model.device picked a merged bf16 deep copy of the whole policy per step on a GPU host
+    with a native-bf16 CPU (issue 29, finding 6). On CUDA the bf16 policy samples as it is."""
+    import torch
+    from lemon.train.dtype import resolve_sample_dtype
+    return resolve_sample_dtype(cfg.sample_dtype, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str):
+    """TRL's GRPOConfig for this run, of the class `backend`'s trainer expects (lemon.train.grpo.config_class)."""
+    import torch
+    from lemon.train.dtype import cpu_bf16_native
+    from lemon.train.grpo import config_class
+    from lemon.train.grpo import check_trl_cpu
+    GRPOConfig = config_class(backend)
     cuda = torch.cuda.is_available()
+    if not cuda:
+        check_trl_cpu()
     bf16 = cuda or cfg.train_dtype == "bf16" or (cfg.train_dtype == "auto" and cpu_bf16_native())
     mb = cfg.micro_batch or cfg.batch_size
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(out / "grpo"), max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
         per_device_train_batch_size=mb, gradient_accumulation_steps=cfg.batch_size // mb,
         num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
         beta=cfg.beta, reward_weights=weights, logging_steps=1, save_strategy="steps", save_steps=cfg.save_steps,
         report_to="none", seed=cfg.seed, use_cpu=not cuda,
         bf16=bf16,  # on CPU: fp32 weights, bf16 autocast for the loss forward/backward (2.4x faster on this CPU, LOG.md 2026-12-01)
-        gradient_checkpointing=False, disable_tqdm=not progress or text_mode(),  # headless: the callback's step lines
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        disable_tqdm=not progress or text_mode(),  # headless: the callback's step lines
         log_completions=False)
-    Trainer = trainer_class(backend)
-    trainer = Trainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
-                      train_dataset=Dataset.from_list(rows), rollouts=rollouts)
+
+
+def _fit(trainer, rollouts, cfg: TrainConfig, out: Path, tok, init_adapter, bf16: bool, progress: bool) -> dict:
+    """Train (resuming from the latest checkpoint), save the adapter and train.json."""
+    from lemon.train.grpo import CFStateCallback, load_cf_state
     trainer.add_callback(CFStateCallback(rollouts, out / "metrics.jsonl", verbose=progress))
     if text_mode():  # headless: the callback's one line per step replaces the Trainer's dump of every logged key
         from transformers.trainer_callback import PrinterCallback

@@ -2,8 +2,8 @@
 
 transformers reads the shipped GGUF files (qwen2 / llama) and dequantizes them, but that takes tens of seconds and the result
 refuses `save_pretrained` while its GGUF quantizer is attached. So the first load converts once to a plain fp32 transformers
-folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s). Weights stay fp32
-on CPU; the trainer runs the loss under bf16 autocast where the CPU supports it and sampling picks its dtype by measurement
+folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s). Base weights stay
+fp32 on CPU and load in bf16 on CUDA (PolicyConfig.dtype); the trainer runs the loss under bf16 autocast where the CPU supports it and sampling picks its dtype by measurement
 (lemon.train.dtype, lemon.train.rollout).
 
 On CUDA with Unsloth, an SFT adapter is loaded INTO the Unsloth peft model (load_adapter_weights): Unsloth builds its own
@@ -38,12 +38,16 @@ class PolicyConfig:
     """Unsloth only: 4-bit base weights."""
     max_seq_length: int = 2048
     """Unsloth only: maximum sequence length."""
+    dtype: str = "auto"
+    """Base weights: 'auto' (bf16 on CUDA, fp32 on CPU where the trainer autocasts), 'bf16' or 'fp32'. LoRA weights stay fp32."""
 
     def __post_init__(self):
         if self.backend not in ("auto", "transformers", "unsloth"):
             raise ValueError(f"backend={self.backend!r}; valid: auto, transformers, unsloth")
         if self.lora_r < 1 or self.lora_alpha < 1:
             raise ValueError("lora_r and lora_alpha must be >= 1")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"dtype={self.dtype!r}; valid: auto, bf16, fp32")
         if self.load_in_4bit and self.backend == "transformers":
             raise ValueError("load_in_4bit needs the unsloth backend (bitsandbytes on CUDA)")
 
@@ -59,6 +63,17 @@ def resolve_backend(cfg: PolicyConfig) -> str:
     except ImportError:
         pass
     return "transformers"
+
+
+def weights_dtype(cfg: PolicyConfig, cuda: bool | None = None):
+    """The dtype the base weights load in. fp32 on a CPU (the trainer autocasts the loss to bf16 where that is native);
+    bf16 on CUDA: an fp32 7B policy is 30 GB before activations, and the old fp32 load ran a GPU out of memory (issue 29,
+    finding 6)."""
+    import torch
+    if cfg.dtype != "auto":
+        return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return torch.bfloat16 if cuda else torch.float32
 
 
 def converted_dir(name: str) -> Path:
@@ -114,10 +129,15 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
     path = str(converted_dir(cfg.model)) if cfg.model in SHIPPED else cfg.model
     if backend == "unsloth":
         from unsloth import FastLanguageModel
-        model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit)
+        # use_exact_model_name: Unsloth otherwise remaps a hub id to its own re-upload (unsloth/...), a second download that
+        # fails offline and silently changes which weights a run used (issue 29, finding 8)
+        model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit,
+                                                       dtype=weights_dtype(cfg), use_exact_model_name=True)
         if lora or adapter is not None:
+            # random_state: Unsloth reseeds torch with it (default 3407) before drawing LoRA A, overriding the run's seed
             model = FastLanguageModel.get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                                     lora_dropout=cfg.lora_dropout, target_modules=list(cfg.target_modules))
+                                                     lora_dropout=cfg.lora_dropout, target_modules=list(cfg.target_modules),
+                                                     random_state=seed if seed is not None else 3407)
             if adapter is not None:
                 load_adapter_weights(model, adapter)  # the warm start, into Unsloth's own LoRA modules
         return model, tok
@@ -125,7 +145,7 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype(cfg))
     if not lora:
         return model, tok
     from peft import LoraConfig, PeftModel, get_peft_model

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from lemon.spec.grammar import GrammarCache, GrammarError, SpecGrammar, require_llguidance
 from lemon.train.dtype import sampling_context
+from lemon.train.unsloth_compat import generate_is_unsloth
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
     try:
         rng_devices = [dev] if dev.type == "cuda" else []  # CPU state is always forked; CUDA's only when it samples there
         with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), sampling_context(dtype, dev):
-            cache = _shared_prefix_cache(model, ids, attn, n)
+            # Unsloth's generate() sets cache_implementation, which transformers refuses beside a cache: no shared prefix
+            cache = None if generate_is_unsloth(model) else _shared_prefix_cache(model, ids, attn, n)
             torch.manual_seed(seed)
             out = model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=attn.repeat_interleave(n, 0),
                                  past_key_values=cache, generation_config=gcfg, logits_processor=LogitsProcessorList(procs))
@@ -131,12 +133,16 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
 def _shared_prefix_cache(model, ids, attn, n: int):
     """The KV cache of each prompt but its last token, computed ONCE per prompt and repeated for its n rows: the prompt
     (~500 tokens) is most of a rollout's compute on CPU, and its n copies are identical. generate() then starts from the
-    last prompt token. Positions follow the attention mask, as generate() computes them for left-padded rows."""
+    last prompt token. Positions follow the attention mask, as generate() computes them for left-padded rows. None (generate()
+    then prefills every row itself, the same samples) when the forward returns no transformers Cache: Unsloth's returns a
+    legacy tuple of (K, V) per layer (lemon.train.unsloth_compat), with no batch_repeat_interleave."""
     if ids.shape[1] < 2:
         return None
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (P, T)
     out = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos[:, :-1], use_cache=True)
     cache = out.past_key_values
+    if not hasattr(cache, "batch_repeat_interleave"):
+        return None
     if n > 1:
         cache.batch_repeat_interleave(n)
     return cache
