@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
+from lemon.train.policy import TINY_QWEN2, random_policy
+
 PAPER_SHAPE = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                    num_attention_heads=28, num_key_value_heads=4)  # Qwen2.5-7B-Instruct's config.json
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 PAPER_BATCH = dict(batch=16, prompt=970, completion=740)  # the paper profile's measured prompt / spec lengths (DESIGN.md)
 TINY_BATCH = dict(batch=4, prompt=24, completion=16)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -63,18 +64,6 @@ def env_report(dev: torch.device) -> dict:
         rep.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
                    bf16=torch.cuda.is_bf16_supported())
     return rep
-
-
-def tiny_policy(tok_dir: Path, out: Path) -> Path:
-    """A randomly initialised 2-layer Qwen2 with the real tokenizer of tok_dir, saved to out (what the checks train)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id, **TINY_SHAPE)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 def _lora(model, r: int):
@@ -286,8 +275,8 @@ def main(argv=None) -> int:
         a.tokenizer = converted_dir("smollm2-135m")
     a.out.mkdir(parents=True, exist_ok=True)
     shape, batch = (PAPER_SHAPE, PAPER_BATCH) if (a.probe or ("paper" if dev.type == "cuda" else "tiny")) == "paper" \
-        else (TINY_SHAPE, TINY_BATCH)
-    tiny = tiny_policy(a.tokenizer, a.out / "tiny-policy")
+        else (TINY_QWEN2, TINY_BATCH)
+    tiny = random_policy(a.tokenizer, a.out / "tiny-policy")
     checks = {"env": lambda: {"ok": True, **env_report(dev)},
               "cf_loss": lambda: check_cf_loss(dev, tiny),
               "probe": lambda: {"ok": None, "shape": shape, **batch,

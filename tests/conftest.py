@@ -1,9 +1,9 @@
 """Test-time budget of README's suite (issue 28), enforced so the suite cannot creep back past CI's limit:
 
 - a test NOT marked `slow` that takes more than FAST_LIMIT_S (setup + call + teardown) fails, naming its time;
-- the `slow`-marked tests together may take SLOW_BUDGET_S: their sum is printed at the end of every run; a run over it
-  exits non-zero only with LEMON_TEST_BUDGET=strict until an idle-machine measurement shows the suite inside it (issue 28:
-  the slow tests' sum has not been measured on an idle machine yet; LOG.md 2026-12-04).
+- the `slow`-marked tests together may take SLOW_BUDGET_S: their sum is printed at the end of every run, and a run over it
+  exits non-zero (measured on a fresh clone, idle 2-core AVX2, 2026-12-04: 561 s before the learning test's 134 s joined;
+  LOG.md session 19).
 
 Both limits are for an idle 2-core machine (AVX2 only, the slowest kind CI runs on). A machine busy with other jobs can
 push a test over them: `LEMON_TEST_BUDGET=off` turns both checks into warnings for such a run (never set in .ci/run).
@@ -16,7 +16,6 @@ import pytest
 FAST_LIMIT_S = 90.0
 SLOW_BUDGET_S = 12 * 60.0
 ENFORCE = os.environ.get("LEMON_TEST_BUDGET", "on").lower() not in ("off", "0", "no", "false")
-STRICT = os.environ.get("LEMON_TEST_BUDGET", "on").lower() == "strict"
 
 _slow_total: dict[str, float] = {}
 
@@ -63,10 +62,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for msg in config.stash.get(_WARNINGS, []):
         tr.write_line(f"WARNING (LEMON_TEST_BUDGET=off): {msg}")
     if total > SLOW_BUDGET_S:
-        word = "FAILED" if STRICT else "WARNING (over budget; LEMON_TEST_BUDGET=strict makes this fail)"
+        word = "FAILED" if ENFORCE else "WARNING (LEMON_TEST_BUDGET=off)"
         tr.write_line(f"{word}: the slow tests took {total:.0f} s, over their {SLOW_BUDGET_S:.0f} s budget")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if STRICT and sum(_slow_total.values()) > SLOW_BUDGET_S and session.exitstatus == 0:
+    if ENFORCE and sum(_slow_total.values()) > SLOW_BUDGET_S and session.exitstatus == 0:
         session.exitstatus = 1

@@ -66,8 +66,9 @@ def test_same_units_the_cf_term_is_scaled_like_the_global_term():
     deltas = [1.0, 0, 0, 0, 1.0, 0, 0, 0]
     cmask, smask = torch.ones(8, 3), torch.zeros(8, 3)
     smask[0, 1] = smask[4, 1] = 1
-    a1, _, _ = step_advantages(rewards, groups, deltas, cmask, smask, lam=1.0)
-    a3, _, _ = step_advantages([3 * r for r in rewards], groups, [3 * d for d in deltas], cmask, smask, lam=1.0)
+    a1, _, _ = step_advantages(rewards, groups, deltas, cmask, smask, lam=1.0, scale="batch")
+    a3, _, _ = step_advantages([3 * r for r in rewards], groups, [3 * d for d in deltas], cmask, smask, lam=1.0,
+                               scale="batch")
     assert torch.allclose(a1, a3, atol=1e-6)
     # the same contrast (delta 1) adds the same per-token amount in both groups
     assert (a1[0, 1] - a1[0, 0]).item() == pytest.approx((a1[4, 1] - a1[4, 0]).item())
@@ -91,7 +92,8 @@ def test_cf_weight_per_token_does_not_depend_on_span_length():
     smask = torch.zeros(4, T)
     smask[0, 3] = 1  # capacity: 1 token
     smask[1, 2:22] = 1  # duty: 20 tokens
-    adv, _, s = step_advantages([0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0], [1.0, 1.0, 0, 0], cmask, smask, lam=1.0)
+    adv, _, s = step_advantages([0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0], [1.0, 1.0, 0, 0], cmask, smask, lam=1.0,
+                               scale="batch")
     assert adv[0, 3].item() == pytest.approx(adv[1, 10].item()) == pytest.approx(1.0 / s)
     logits = torch.randn(4, T, 5, requires_grad=True)
     ids = torch.randint(0, 5, (4, T))
@@ -106,15 +108,43 @@ def test_cf_weight_per_token_does_not_depend_on_span_length():
 def test_errored_rollouts_are_excluded_and_lambda_zero_is_plain_grpo():
     rewards = [1.0, None, 0.0, 0.0]
     cmask, smask = torch.ones(4, 5), torch.ones(4, 5)
-    adv, keep, _ = step_advantages(rewards, [0] * 4, [0.7, 0.9, 0.0, 0.0], cmask, smask, lam=1.0)
+    adv, keep, _ = step_advantages(rewards, [0] * 4, [0.7, 0.9, 0.0, 0.0], cmask, smask, lam=1.0, scale="batch")
     assert keep.tolist() == [True, False, True, True] and torch.all(adv[1] == 0)
     mean = (1.0 + 0.0 + 0.0) / 3  # the errored rollout is not in the baseline
     s = statistics.pstdev([1.0, 0.0, 0.0])
     assert adv[0, 0].item() == pytest.approx((1.0 - mean + 0.7) / s)
-    plain, _, _ = step_advantages(rewards, [0] * 4, [0.7, 0.9, 0.0, 0.0], cmask, smask, lam=0.0)
-    nodelta, _, _ = step_advantages(rewards, [0] * 4, [0.0] * 4, cmask, smask, lam=1.0)
+    plain, _, _ = step_advantages(rewards, [0] * 4, [0.7, 0.9, 0.0, 0.0], cmask, smask, lam=0.0, scale="batch")
+    nodelta, _, _ = step_advantages(rewards, [0] * 4, [0.0] * 4, cmask, smask, lam=1.0, scale="batch")
     assert torch.equal(plain, nodelta)
-    flat, _, _ = step_advantages([0.0] * 4, [0] * 4, [1.0, 0, 0, 0], cmask, smask, lam=1.0, std_floor=0.1)
+    flat, _, _ = step_advantages([0.0] * 4, [0] * 4, [1.0, 0, 0, 0], cmask, smask, lam=1.0, scale="batch",
+                                 std_floor=0.1)
     assert flat[0, 0].item() == pytest.approx(10.0) and torch.all(flat[1:] == 0)  # floor: 1 / 0.1, not 1 / 1e-4
     with pytest.raises(ValueError, match="scale"):
         step_advantages(rewards, [0] * 4, [0] * 4, cmask, smask, lam=1.0, scale="bogus")
+
+
+def test_cf_update_size_does_not_depend_on_the_other_question_in_the_batch():
+    """Issue 30, defect 1: under "batch" scaling the divisor is the std of the whole step's rewards, so the SAME rollout
+    with the SAME contrast got a 2.9x larger CF advantage when the other question of the batch happened to be all-solved
+    (in the duel's last cf step one capacity token got 11.8 while every global advantage was <= 0.03). The default
+    (raw reward units, "none") gives it the same size whatever else is in the batch; so does its global advantage."""
+    cmask, smask = torch.ones(8, 3), torch.zeros(8, 3)
+    smask[0, 1] = 1  # question A's rollout 0 carries the edit
+    a_rewards, a_deltas = [1.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.0]
+    easy = [1.0, 1.0, 1.0, 1.0]  # the other question: all solved (no spread)
+    hard = [1.0, 0.0, 0.0, 1.0]  # the other question: mixed
+    groups = [0] * 4 + [1] * 4
+
+    def adv(other, scale):
+        a, _, _ = step_advantages(a_rewards + other, groups, a_deltas + [0.0] * 4, cmask, smask, lam=1.0, scale=scale)
+        return a[0, 1].item(), a[0, 0].item()  # (span token, a token outside the span)
+
+    (cf_e, g_e), (cf_h, g_h) = adv(easy, "none"), adv(hard, "none")
+    assert cf_e == pytest.approx(cf_h) and g_e == pytest.approx(g_h)
+    assert cf_e - g_e == pytest.approx(0.5)  # lambda * delta in reward units, on the span only
+    (cf_e, g_e), (cf_h, g_h) = adv(easy, "batch"), adv(hard, "batch")
+    assert (cf_e - g_e) / (cf_h - g_h) > 1.1  # the old default: the other question's difficulty changes the CF weight
+    from lemon.train.config import train_preset
+    assert all(train_preset(p).scale_rewards == "none" for p in ("smoke", "cpu", "paper"))  # the trainer's default
+    default, _, _ = step_advantages(a_rewards + hard, groups, a_deltas + [0.0] * 4, cmask, smask, lam=1.0)
+    assert default[0, 1].item() == pytest.approx(adv(hard, "none")[0])

@@ -60,6 +60,13 @@ class ServerCrashedError(ServerError):
     """A server kept dying: it was restarted ServerConfig.max_restarts times already."""
 
 
+# Client settings under which a llama-server's greedy reply is reproducible: continuous batching decodes a request together
+# with whatever else is in flight, and ggml's CPU kernels do not give bit-identical results for different batch shapes, nor
+# for a prompt prefilled in pieces from its cache (llama.cpp issues #7052, #6950); one request at a time with the prompt cache
+# off removes both (measured: bench/flip_rate.py, LOG.md 2026-12-04 session 19).
+DETERMINISTIC = {"max_concurrency": 1, "extra_body": {"top_k": 0, "min_p": 0.0, "cache_prompt": False}}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How one llama-server is run (the command line is in ServerManager._command)."""
@@ -83,6 +90,10 @@ class ServerConfig:
     """Crashes tolerated per server before ServerCrashedError."""
     cache_ram_mib: int = 256
     """llama-server's host-RAM prompt cache (`--cache-ram`); its default of 8 GiB per server is too much beside training."""
+    deterministic: bool = False
+    """Replies that do not depend on what else is in flight: lemon's client sends one request at a time to this server
+    and turns llama-server's prompt cache off (DETERMINISTIC). Greedy replies otherwise change with the batch they are
+    decoded in (issue 30: bench/flip_rate.py measures it); costs the server's batching throughput."""
     extra_args: tuple[str, ...] = ()
     """Further llama-server flags, appended as given."""
     env: tuple[tuple[str, str], ...] = (("OMP_WAIT_POLICY", "PASSIVE"),)
@@ -271,7 +282,7 @@ class ServerManager:
         # top_k=0 / min_p=0 switch off llama.cpp's extra default samplers: temperature / top_p then mean what they mean on
         # an OpenAI server (and in the in-process backend this replaces)
         kw = {"timeout_s": 1800.0, "max_retries": 3, "backoff_s": 0.2, "max_concurrency": s.cfg.slots,
-              "extra_body": {"top_k": 0, "min_p": 0.0}, **kw}
+              "extra_body": {"top_k": 0, "min_p": 0.0}, **(DETERMINISTIC if s.cfg.deterministic else {}), **kw}
         return OpenAIBackend(s.url, alias, recover=lambda: self.ensure(alias), kind="llama_server",
                              info=lambda: self.describe_server(alias), **kw)
 

@@ -22,13 +22,17 @@ import pandas as pd
 from lemon.prompts import Prompts
 from lemon.run.executor import ExecutorCaps
 from lemon.testbed.exact import exact_scorer_factory
-from lemon.testbed.world import SimWorld, tiny_world, two_type_world
+from lemon.testbed.world import SimWorld, duty_world, edge_world, mixed_world, tiny_world, two_type_world
 from lemon.train.edits import FAMILIES
 from lemon.train.rewards import RewardConfig
 
 ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "global": {"cf_lambda": 0.0},
                             **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
-WORLDS = ("two", "tiny")
+# world name -> builder: which spec field carries the reward (lemon.testbed.world; issue 30)
+#   tiny: capacity (one hard type);  duty: role / duty at equal capacity;  edge: a verifier reading the solver;
+#   mixed: two types whose best workers differ (only a policy that reads the question is optimal);  two: easy + hard
+WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world, "mixed": mixed_world}
+WORLDS = tuple(WORLD_BUILDERS)
 SCORINGS = ("exact", "sampled")
 
 
@@ -37,7 +41,7 @@ class ExperimentConfig:
     """One comparison: which world, arms and seeds, and the budget every run gets."""
 
     world: str = "two"
-    """'two' (MultiArith easy + GSM8K hard) or 'tiny' (GSM8K only)."""
+    """A key of WORLD_BUILDERS: 'two' (MultiArith easy + GSM8K hard), 'tiny' (GSM8K, capacity pays), 'duty', 'edge', 'mixed'."""
     arms: tuple[str, ...] = tuple(ARMS)
     """Training arms (keys of ARMS)."""
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -82,7 +86,9 @@ class ExperimentConfig:
 
 
 def make_world(name: str, prompts: Prompts) -> SimWorld:
-    return two_type_world(prompts) if name == "two" else tiny_world(prompts)
+    if name not in WORLD_BUILDERS:
+        raise ValueError(f"world={name!r}; valid: {', '.join(WORLDS)}")
+    return WORLD_BUILDERS[name](prompts)
 
 
 def split_examples(world: SimWorld, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:

@@ -32,6 +32,28 @@ TINY = SimConfig(types={"hard": TaskType({"small": 0.05, "medium": 0.2, "large":
                  q_fix={"small": 0.0, "medium": 0.2, "large": 0.6}, solve_duty_bonus=0.2, check_duty_bonus=0.1)
 
 
+# Worlds where a DIFFERENT spec field carries the reward (issue 30: does localized credit beat global credit when several
+# fields pay?). Replies cost the same at every capacity where capacity must not matter, so a capacity edit's contrast is 0.
+_EQ_TOKENS = {"small": 160, "medium": 160, "large": 160}
+# role / duty: capacity is irrelevant and checkers never fix anything; a solver is right 0.25 of the time with its default
+# duty and 0.85 with a customized one, any other role answers nothing. The role and duty edits pay, capacity and edges do not.
+DUTY = SimConfig(types={"hard": TaskType({"small": 0.25, "medium": 0.25, "large": 0.25})}, benchmark_type={"gsm8k": "hard"},
+                 q_fix={"small": 0.0, "medium": 0.0, "large": 0.0}, solve_duty_bonus=0.6, check_duty_bonus=0.0,
+                 completion_tokens=_EQ_TOKENS)
+# dependency: a solver alone is right 0.3 of the time at any capacity; a verifier READING it fixes a wrong answer with 0.9
+# (0.93 together); a verifier reading nothing answers nothing. Dropping the solver -> verifier edge is what pays.
+EDGE = SimConfig(types={"hard": TaskType({"small": 0.3, "medium": 0.3, "large": 0.3})}, benchmark_type={"gsm8k": "hard"},
+                 q_fix={"small": 0.9, "medium": 0.9, "large": 0.9}, solve_duty_bonus=0.0, check_duty_bonus=0.0,
+                 completion_tokens=_EQ_TOKENS)
+# mixed: two task types whose best workers differ (MultiArith: the small worker is the specialist, 0.9 vs 0.1 for the large;
+# GSM8K: the reverse), so no single spec is right on both and only a policy that reads the question reaches the optimum;
+# checkers fix little (0.3) and customized duties add 0.05. The best fixed spec's regret is in tests/test_testbed_worlds.py.
+MIXED = SimConfig(types={"specialist": TaskType({"small": 0.9, "medium": 0.4, "large": 0.1}),
+                         "general": TaskType({"small": 0.1, "medium": 0.4, "large": 0.9})},
+                  benchmark_type={"multiarith": "specialist", "gsm8k": "general"},
+                  q_fix={"small": 0.3, "medium": 0.3, "large": 0.3}, solve_duty_bonus=0.05, check_duty_bonus=0.0)
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Exact outcome of one spec on one example in the sim."""
@@ -226,6 +248,25 @@ class SimWorld:
         return [self.score_text(t, by_id[i], reward_cfg, max_agents, caps) for t, i in zip(texts, example_ids)]
 
 
+def best_fixed(world: SimWorld, reward_cfg: RewardConfig, max_agents: int, caps: ExecutorCaps = ExecutorCaps()):
+    """The best ONE spec for every task type of the world (what a policy that ignores the question can do at best):
+    (spec, its expected reward per type, its regret = mean over types of optimum - its reward). Types weigh equally, as
+    the trainer's round-robin draws them. Exhaustive over the search's structures (lemon.testbed.search)."""
+    from lemon.testbed.search import structures
+    types = list(world.config.types)
+    ex = {t: next(e for e in world.examples() if world.type_of(e) == t) for t in types}
+    opt = {t: world.optimum(ex[t], reward_cfg, max_agents, caps).expected_reward for t in types}
+    widest = TaskType({c: 0.0 for c in CAPACITIES}, plan_bonus=max(t.plan_bonus for t in world.config.types.values()))
+    best = None
+    for nodes in structures(widest, world.config, min(max_agents, caps.max_agents)):
+        spec = spec_of(nodes, world.prompts)
+        per = {t: world.evaluate_nodes(nodes, spec, ex[t], reward_cfg, caps).expected_reward for t in types}
+        regret = sum(opt[t] - per[t] for t in types) / len(types)
+        if best is None or regret < best[2] - 1e-12:
+            best = (spec, per, regret)
+    return best
+
+
 def two_type_world(prompts: Prompts, config: SimConfig = TWO_TYPES) -> SimWorld:
     """MultiArith train (easy) + GSM8K train (hard): every example the trainer can draw from those train pools."""
     return SimWorld(config, prompts)
@@ -235,3 +276,20 @@ def tiny_world(prompts: Prompts, n: int | None = None) -> SimWorld:
     """GSM8K train only, one hard type (TINY); `n` = only the first n examples (tests)."""
     ex = B.pool("gsm8k", "train")
     return SimWorld(TINY, prompts, ex[:n] if n else ex)
+
+
+def duty_world(prompts: Prompts, n: int | None = None) -> SimWorld:
+    """GSM8K train, role / duty decide success at equal capacity (DUTY)."""
+    ex = B.pool("gsm8k", "train")
+    return SimWorld(DUTY, prompts, ex[:n] if n else ex)
+
+
+def edge_world(prompts: Prompts, n: int | None = None) -> SimWorld:
+    """GSM8K train, a verifier reading the solver decides success (EDGE)."""
+    ex = B.pool("gsm8k", "train")
+    return SimWorld(EDGE, prompts, ex[:n] if n else ex)
+
+
+def mixed_world(prompts: Prompts) -> SimWorld:
+    """MultiArith train (the small worker is the specialist) + GSM8K train (the large one is): MIXED."""
+    return SimWorld(MIXED, prompts)

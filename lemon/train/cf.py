@@ -3,12 +3,18 @@
 Paper (as first read by this project), for rollout i of a group, group-normalised A_i, contrast delta_i = r(y_i) - r(y_i') of
 one edit and the edited span's tokens S_i:
         A_{i,t} = A_i + lambda * delta_i * 1[t in S_i],        A_i = (r_i - mean_group r) / std_group r
-There delta_i is raw reward while A_i is divided by the group's std, so the CF term's weight changes from group to group (a
-group with spread 0.05 multiplies A by 20 and leaves delta alone). LEMON divides BOTH by one scale s:
+There delta_i is raw reward while A_i is divided by the group's std, so the CF term's weight relative to A changes from group
+to group (a group with spread 0.05 multiplies A by 20 and leaves delta alone). LEMON divides BOTH by one scale s:
         A_{i,t} = [ (r_i - mean_group r) + lambda * delta_i * 1[t in S_i] ] / s_i                         (B, T)
-with s = max(std of the step's rewards, std_floor) ("batch", the default: PPO-lite / TRL's scale_rewards="batch"),
-s = max(std of the group, std_floor) ("group"), or s = 1 ("none", Dr. GRPO). The floor keeps a step or group without
-spread from dividing a counterfactual contrast by ~0. lambda = 0 gives plain GRPO exactly (same scale, same masking).
+with, since issue 30, s = 1 by default ("none": raw reward units for both terms, as Dr. GRPO drops the std; Liu et al. 2025,
+"Understanding R1-Zero-Like Training"). Then lambda means the same on every step: one unit of delta weighs exactly what one
+unit of reward above the group mean weighs, and neither depends on what else is in the batch. The earlier default,
+s = max(std of the step's rewards, std_floor) ("batch", PPO-lite / TRL's scale_rewards="batch"), made the CF update's size
+depend on the OTHER questions of the step: with every rollout of a step solved, s fell to the floor 0.1 and one capacity
+token of the duel's last cf step got advantage 11.8 next to global advantages <= 0.03 (issue 30; tests/test_cf.py).
+"batch" and "group" (s = max(std of the group, std_floor)) stay available; the floor keeps them from dividing a counterfactual
+contrast by ~0. Under AdamW the common size of the advantages matters little (the update is normalised per parameter), so
+"none" needs no other learning rate. lambda = 0 gives plain GRPO exactly (same scale, same masking).
 
 Span length: the CF weight of a token does NOT depend on how many tokens the span has. The edited field is one action whose
 log-probability is the SUM of its tokens' log-probs, so REINFORCE on that action puts the same weight delta/s on each of its
@@ -62,7 +68,7 @@ SCALES = ("batch", "group", "none")
 
 
 def step_advantages(rewards, groups, deltas, completion_mask: torch.Tensor, span_mask: torch.Tensor, *, lam: float,
-                    scale: str = "batch", std_floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, float]:
+                    scale: str = "none", std_floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One step's (B, T) advantages from per-rollout rewards (None = errored, excluded), group ids and CF deltas (0 where
     there is no counterfactual). Returns (advantages (B, T), keep (B,) bool, the batch scale s (for logging; the mean of
     s_i under "group")); advantages and keep are on completion_mask's device (CUDA in a GPU run)."""

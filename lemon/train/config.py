@@ -100,8 +100,8 @@ class TrainConfig:
     """Edit families allowed (an ablation may keep one)."""
     family_floor: float = 0.1
     """Probability floor of each family in the adaptive sampler."""
-    scale_rewards: str = "batch"
-    """Divisor of both the global and the CF advantage: 'batch' std, 'group' std or 'none' (lemon.train.cf)."""
+    scale_rewards: str = "none"
+    """Divisor of both the global and the CF advantage: 'none' (raw reward units: a fixed CF weight), 'batch' std or 'group' std (lemon.train.cf)."""
     std_floor: float = 0.1
     """Smallest divisor under 'batch' / 'group' scaling (a flat step must not blow up a counterfactual contrast)."""
     resample: int = 1

@@ -96,7 +96,7 @@ class SpecRollouts:
     def __init__(self, scorer: SpecScorer, tokenizer, examples_by_prompt: dict[str, str], *, num_generations: int,
                  temperature: float, max_new_tokens: int, grammars: dict | None = None, grammar_cache=None,
                  resample: int = 0, seed: int = 0,
-                 scale_rewards: str = "batch", std_floor: float = 0.1, rollouts_path: Path | None = None,
+                 scale_rewards: str = "none", std_floor: float = 0.1, rollouts_path: Path | None = None,
                  labels: QuestionLabels | None = None, sample_dtype: str = "model",
                  curriculum_ids: list[str] | None = None):
         self.scorer, self.tok, self.by_prompt = scorer, tokenizer, examples_by_prompt

@@ -126,6 +126,9 @@ class CFGRPOMixin:
         status = Counter(r.cf_status for r in recs)
         m["cf/edits"].append(sum(1 for r in recs if r.family))
         m["cf/active"].append(sum(1 for r in recs if r.cf_status == "ok" and r.delta) * (self.rollouts.cf_lambda > 0))
+        # a delta of 1e-4 (a token-efficiency wobble) is "active" above; this counts the contrasts that move a success
+        m["cf/active_001"].append(sum(1 for r in recs if r.cf_status == "ok" and r.delta and abs(r.delta) >= 0.01)
+                                  * (self.rollouts.cf_lambda > 0))
         m["cf/edit_errors"].append(status.get("edit_error", 0))
         m["cf/errored"].append(status.get("cf_errored", 0))
         m["cf/dropped"].append(sum(k for s, k in status.items() if s.startswith("span_dropped")))

@@ -97,6 +97,25 @@ def converted_dir(name: str) -> Path:
     return out
 
 
+TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def random_policy(tokenizer_dir: str | Path, out: str | Path, seed: int = 0, **shape) -> Path:
+    """A randomly initialised Qwen2-shaped policy (TINY_QWEN2 unless `shape` says otherwise) with the REAL tokenizer of
+    tokenizer_dir, saved to out: the spec grammar compiles against a real vocabulary, so the whole trainer (rollouts,
+    edits, spans, loss) runs on a model that costs nothing to carry or to step (bench/gpu_check.py, the learning test)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id,
+                      **{**TINY_QWEN2, **shape})
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return Path(out)
+
+
 def load_adapter_weights(model, adapter: str | Path) -> int:
     """Copy a saved peft adapter (adapter_model.safetensors) into `model`, a peft model with the same LoRA layout.
     Raises ValueError when a saved tensor has no matching LoRA parameter or a shape differs (a warm start that would be
