@@ -46,7 +46,7 @@ def run_condition(backend, target, others, repeats: int, in_flight: int, params:
     answers = Counter(str(extract_number(r)) for r in replies)
     return {"repeats": len(replies), "in_flight": in_flight, "distinct_replies": len(counts),
             "flip_rate": round(1 - counts.most_common(1)[0][1] / len(replies), 3), "distinct_answers": dict(answers),
-            "seconds": round(secs, 1), "requests": len(jobs)}
+            "seconds": round(secs, 1), "requests": len(jobs), "mode_reply": counts.most_common(1)[0][0]}
 
 
 def main(argv=None) -> int:
@@ -75,6 +75,9 @@ def main(argv=None) -> int:
                   f"flip rate {r['flip_rate']:.2f}, answers {r['distinct_answers']}, {r['seconds']:.0f} s for "
                   f"{r['requests']} requests", flush=True)
         res["server"] = m.describe_server(a.model)
+    c = res["conditions"]
+    res["det_mode_equals_c1"] = c["det"]["mode_reply"] == c["c1"]["mode_reply"]  # deterministic = the reply it gets alone
+    print(f"[flip_rate] det's reply {'==' if res['det_mode_equals_c1'] else '!='} the reply alone (c1)")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "flip_rate.json").write_text(json.dumps(res, indent=1, default=str))

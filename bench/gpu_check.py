@@ -8,7 +8,7 @@ stop the others; the exit code is 1 when any failed.
 1. env       torch / CUDA / GPU / package versions, CPU SIMD flags.
 2. cf_loss   lemon.train.cf.step_advantages + TRL's token-level loss on a tiny random Qwen2 (fp32) on the device against the
              same on the CPU: loss and LoRA gradients must agree (finding 1 was a device mismatch in exactly this path).
-3. rollouts  grammar-constrained sampling (lemon.train.rollout.sample_specs + llguidance) on the device: every spec parses,
+3. rollouts  grammar-constrained sampling (lemon.policy.rollout.sample_specs + llguidance) on the device: every spec parses,
              the same seed gives the same specs.
 4. trainer   lemon.train.pipeline.train (TRL GRPOTrainer + CF mixin, transformers backend) on the tiny testbed world with the
              exact simulated scorer: 3 steps, then checkpoint-3 removed and the run resumed from checkpoint-2; finite
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from lemon.train.policy import TINY_QWEN2, random_policy
+from lemon.policy.model import TINY_QWEN2, random_policy
 
 PAPER_SHAPE = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                    num_attention_heads=28, num_key_value_heads=4)  # Qwen2.5-7B-Instruct's config.json
@@ -137,8 +137,8 @@ def check_rollouts(dev, tiny: Path, n: int = 4) -> dict:
     from lemon.prompts import default_prompts
     from lemon.spec.grammar import GrammarCache, SpecGrammar
     from lemon.spec.schema import parse_spec
-    from lemon.train.policy import PolicyConfig, load_policy
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.model import PolicyConfig, load_policy
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     prompts = default_prompts()
     model, tok = load_policy(PolicyConfig(model=str(tiny), backend="transformers", lora_r=4, lora_alpha=8), seed=0)
     model = model.to(dev)
@@ -166,7 +166,7 @@ def check_trainer(dev, tiny: Path, out: Path, quick: bool = False) -> dict:
     from lemon.prompts import default_prompts
     from lemon.testbed.experiment import ExperimentConfig, run_arm
     from lemon.testbed.world import tiny_world
-    from lemon.train.policy import PolicyConfig
+    from lemon.policy.model import PolicyConfig
     from safetensors.torch import load_file
     prompts = default_prompts()
     world = tiny_world(prompts, n=64)
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if a.device == "auto" else a.device))
     if a.tokenizer is None:
-        from lemon.train.policy import converted_dir
+        from lemon.policy.model import converted_dir
         a.tokenizer = converted_dir("smollm2-135m")
     a.out.mkdir(parents=True, exist_ok=True)
     shape, batch = (PAPER_SHAPE, PAPER_BATCH) if (a.probe or ("paper" if dev.type == "cuda" else "tiny")) == "paper" \

@@ -4,7 +4,7 @@ Three measurements, each printing figures (nothing asserted):
   valid (default)  valid-spec rate of sampled specs at T=1, constrained vs unconstrained, with tokens/s and mean completion
                    tokens, on seeded train-pool questions (gsm8k -> math; --extra adds one mmlu and one humaneval row set)
   --dtype          generate throughput at batch 8 for fp32 weights, bf16 weights and fp32 + bf16 autocast, with/without
-                   the grammar (lemon.train.dtype chooses the sampling default from this)
+                   the grammar (lemon.policy.dtype chooses the sampling default from this)
   --libs           llguidance vs xgrammar on the spec grammar: tokenizer + grammar compile time per tokenizer, mask
                    time per decoding step at batch 8 (teacher-forced along real spec texts), agreement on accepted and
                    rejected texts. xgrammar is not a project dependency: run this mode with a Python that has it.
@@ -43,7 +43,7 @@ def _messages(bench: str, k: int, seed: int, max_agents: int):
 
 
 def _load(name: str, adapter: str | None = None):
-    from lemon.train.policy import PolicyConfig, load_policy
+    from lemon.policy.model import PolicyConfig, load_policy
     model, tok = load_policy(PolicyConfig(model=name), lora=False)
     if adapter:
         from peft import PeftModel
@@ -52,7 +52,7 @@ def _load(name: str, adapter: str | None = None):
 
 
 def run_valid(a):
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     arms = a.arms.split(",")
     bad = set(arms) - {"constrained", "unconstrained"}
     if bad:  # before the model loads
@@ -60,7 +60,7 @@ def run_valid(a):
     model, tok = _load(a.model, a.adapter)
     if a.bf16_copy:
         import torch
-        from lemon.train.dtype import SamplingCopy
+        from lemon.policy.dtype import SamplingCopy
         model = SamplingCopy(model, torch.bfloat16).sync(model)
     cache = GrammarCache()
     sets = [("gsm8k", a.questions)] + ([("mmlu", max(1, a.questions // 4)), ("humaneval", max(1, a.questions // 4))]
@@ -97,8 +97,8 @@ def run_valid(a):
 
 
 def run_dtype(a):
-    from lemon.train.dtype import SamplingCopy, cpu_bf16_flags, cpu_bf16_native
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.dtype import SamplingCopy, cpu_bf16_flags, cpu_bf16_native
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     import torch
     msgs, dom = _messages("gsm8k", 1, a.seed, a.max_agents)
     print(f"cpu bf16 flags {sorted(cpu_bf16_flags())} native {cpu_bf16_native()} | {a.model} | batch {a.n} (1 prompt x n) | "
@@ -161,7 +161,7 @@ def _corrupt(text: str, rng: random.Random) -> str:
 def run_libs(a):
     import numpy as np
     from transformers import AutoTokenizer
-    from lemon.train.policy import converted_dir
+    from lemon.policy.model import converted_dir
     try:
         import xgrammar as xgr
     except ImportError:
@@ -276,7 +276,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--arms", default="constrained,unconstrained", help="valid mode: which arms to sample")
     ap.add_argument("--max-agents", type=int, default=4)
-    ap.add_argument("--sampling-dtype", default="model", help="'model' or 'autocast_bf16' (lemon.train.dtype)")
+    ap.add_argument("--sampling-dtype", default="model", help="'model' or 'autocast_bf16' (lemon.policy.dtype)")
     ap.add_argument("--bf16-copy", action="store_true", help="valid mode: sample a bf16 SamplingCopy of the policy")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--rounds", type=int, default=3, help="dtype mode: interleaved repetitions")

@@ -1,4 +1,4 @@
-"""Served policy vs transformers policy (lemon.run.served_policy, lemon.eval.served): do they write the same greedy specs,
+"""Served policy vs transformers policy (lemon.policy.served, lemon.eval.served): do they write the same greedy specs,
 how close are their token log-probs, and how much faster is the server?
 
     .venv/bin/python bench/served_policy_bench.py --model smollm2-135m --adapter outputs/testbed/sft-smoke-tiny --n 8
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def random_lora(model_name: str, scale: float, out: Path, r: int = 8) -> Path:
     import torch
-    from lemon.train.policy import PolicyConfig, load_policy
+    from lemon.policy.model import PolicyConfig, load_policy
     torch.manual_seed(0)
     model, tok = load_policy(PolicyConfig(model=model_name, lora_r=r, lora_alpha=2 * r))
     with torch.no_grad():
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     from lemon.eval.orchestrator import OrchestratorConfig, PolicySpecWriter
     from lemon.eval.served import ServedPolicySpecWriter
     from lemon.prompts import default_prompts
-    from lemon.run.served_policy import ServedPolicy
-    from lemon.train.policy import PolicyConfig, load_policy
+    from lemon.policy.served import ServedPolicy
+    from lemon.policy.model import PolicyConfig, load_policy
     import random
     prompts, bench = default_prompts(), get_benchmark("gsm8k")
     qs = list(pool("gsm8k", "train"))

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lemon.prompts import default_prompts  # noqa: E402
-from lemon.testbed.experiment import (ARMS, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,  # noqa: E402
+from lemon.testbed.experiment import (ARMS, BASES, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,  # noqa: E402
                                       make_world, run_arm, run_caps, train_config, write_experiment)
 from lemon.testbed.plots import write_report  # noqa: E402
 from lemon.testbed.warm import warm_start_adapter  # noqa: E402
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--scoring", choices=SCORINGS, default="exact",
                     help="exact: each rollout rewarded with its exact expected reward; sampled: one simulated outcome")
+    ap.add_argument("--base", choices=BASES, default="preset",
+                    help="preset: the profile's policy; random-tiny: a random 2-layer Qwen2 per training seed (fast)")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out greedy evaluation (training curves only)")
     ap.add_argument("--prune-checkpoints", action="store_true",
                     help="after a run's held-out evaluation, delete its checkpoints but the latest (disk)")
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     exp = ExperimentConfig(world=a.world, arms=tuple(a.arms), seeds=tuple(a.seeds), profile=a.profile, max_steps=a.steps,
                            train_questions=a.train_questions, heldout_questions=a.heldout, eval_every=a.eval_every,
                            threshold=a.threshold, init_adapter=init_adapter, train_overrides=overrides,
-                           scoring=a.scoring)
+                           scoring=a.scoring, base=a.base)
     prompts, world = default_prompts(), make_world(a.world, default_prompts())
     cfg0 = train_config(exp.arms[0], exp.seeds[0], exp, world)
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])

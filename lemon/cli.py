@@ -85,6 +85,11 @@ def cmd_train(args) -> int:
     caps = None
     if args.workers:
         over["workers"], caps = workers_from_file(args.workers)
+        from lemon.run.workers import SERVER_BACKENDS
+        if any(e.get("backend") not in SERVER_BACKENDS for e in over["workers"].values()):
+            over["deterministic_workers"] = False
+            print(f"note: {args.workers} names workers that are not llama-servers: deterministic_workers is off (it "
+                  "applies to llama-server workers only)", file=sys.stderr)
     cfg = train_preset(args.profile, seed=args.seed, **over)
     if caps and caps != cfg.worker_max_tokens:
         print(f"note: training caps worker replies at the {args.profile} profile's {cfg.worker_max_tokens} (they size its "

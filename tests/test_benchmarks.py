@@ -8,10 +8,13 @@ the real sandbox (``lemon.run.sandbox``) and is marked ``slow``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
 import pickle
 import re
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -356,3 +359,52 @@ def test_humaneval_canonical_solutions_pass_in_sandbox():
     he10 = next(e for e in exs if e.id == "HumanEval/10")
     only_entry = "```python\ndef make_palindrome(string: str) -> str:\n" + he10.gold + "```"
     assert bench.score(he10, only_entry) == 1.0
+
+
+TOY_RECORD = '''
+
+def _toyarith(name, split, index, row):
+    return Example(f"{name}/{split}/{index}", name, split, row["q"], format_number(row["a"]), {})
+
+
+RECORDS["toyarith"] = BenchmarkRecord("toyarith", "math", "number", ("train", "test"), ("nobody/toyarith", None),
+                                      "train", "test", _toyarith)
+'''
+
+TOY_CHECK = r'''
+import json
+from lemon import benchmarks as B
+from lemon.train.config import train_preset
+ex = B.load("toyarith", "test")
+print(json.dumps({"file": B.__file__, "listed": "toyarith" in B.BENCHMARKS, "domain": B.get_benchmark("toyarith").domain,
+                  "ids": [e.id for e in ex], "score": [B.score(e, "so... Answer: " + e.gold) for e in ex],
+                  "wrong": B.score(ex[0], "Answer: 999"), "train": [e.id for e in B.pool("toyarith", "train")],
+                  "eval": len(B.pool("toyarith", "eval")), "pool_splits": B.POOL_SPLITS["train"]["toyarith"],
+                  "config": train_preset("smoke", benchmarks=("toyarith",)).benchmarks}))
+'''
+
+
+def test_a_new_benchmark_is_one_record(tmp_path):
+    """Issue 31: a copy of the package with ONE record (and its row converter) appended to records.py, and data at
+    <data dir>/toyarith/<split>.jsonl, is all it takes: loading, scoring, both pools, the train config know the benchmark."""
+    import shutil
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "lemon", tmp_path / "lemon", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "lemon" / "benchmarks" / "records.py", "a") as f:
+        f.write(TOY_RECORD)
+    data = tmp_path / "data" / "toyarith"
+    data.mkdir(parents=True)
+    (data / "train.jsonl").write_text('{"q": "What is 1 + 1?", "a": 2}\n{"q": "What is 2 + 5?", "a": 7}\n')
+    (data / "test.jsonl").write_text('{"q": "What is 2 + 2?", "a": 4}\n{"q": "What is 3 * 3?", "a": "9.0"}\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LEMON_DATA_DIR": str(tmp_path / "data")}
+    out = subprocess.run([sys.executable, "-c", TOY_CHECK], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["file"].startswith(str(tmp_path))  # the copy was imported, not the repo's package
+    assert r["listed"] and r["domain"] == "math" and r["ids"] == ["toyarith/test/0", "toyarith/test/1"]
+    assert r["score"] == [1.0, 1.0] and r["wrong"] == 0.0 and r["eval"] == 2
+    assert r["train"] == ["toyarith/train/0", "toyarith/train/1"] and r["pool_splits"] == "train"
+    assert r["config"] == ["toyarith"]

@@ -67,7 +67,7 @@ def _lora(model):
 
 
 def _policy(path):
-    from lemon.train.policy import PolicyConfig, load_policy
+    from lemon.policy.model import PolicyConfig, load_policy
     # fp32 explicitly: 'auto' loads bf16 wherever CUDA exists, and this test's trainer runs on the CPU (use_cpu=True)
     # against an fp32 reference (on the H200 machine 'auto' gave a 5e-4 gradient mismatch, 2026-12-04)
     model, tok = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=4, lora_alpha=8, dtype="fp32"),
@@ -98,7 +98,7 @@ def _reference_grads(model, prompt_ids, positions_of, max_grad_norm):
     return {n: g * coef for n, g in zip(params, grads)}
 
 
-def _train_one_step(tmp_path, lam: float):
+def _train_one_step(tmp_path, lam: float, compact: bool = False):
     """Build the real CF-GRPO trainer (lemon.train.grpo.trainer_class, reward_functions) on the tiny policy and run
     Trainer.train for one step; returns (model before the step's LoRA weights, gradients at the optimizer step, after)."""
     from datasets import Dataset
@@ -123,22 +123,43 @@ def _train_one_step(tmp_path, lam: float):
         def on_pre_optimizer_step(self, args, state, control, **kw):  # after backward and clipping, before AdamW
             grads.update({n: None if p.grad is None else p.grad.detach().clone() for n, p in _lora(trainer.model).items()})
     trainer.add_callback(Grab())
-    trainer.train()
+    from lemon.train.grpo import completion_only_lm_head
+    if compact:  # what lemon.train.pipeline does: only the completion's positions go through the LM head
+        import trl.trainer.utils as U
+        real_apply, rows = U._ChunkedLogProbFunction.apply, []
+
+        def spy(hidden, *a):
+            rows.append(hidden.shape[0])
+            return real_apply(hidden, *a)
+        U._ChunkedLogProbFunction.apply = spy
+        try:
+            with completion_only_lm_head() as on:
+                assert on
+                trainer.train()
+        finally:
+            U._ChunkedLogProbFunction.apply = real_apply
+        # one forward of the step: exactly the completion tokens are scored (not prompt + completion + padding)
+        assert rows == [sum(len(c) for c in COMPLETIONS)], rows
+    else:
+        trainer.train()
     assert rollouts.calls == 1 and trainer.state.global_step == 1
     after = {n: p.detach().clone() for n, p in _lora(trainer.model).items()}
     return trainer, rollouts, before, grads, after
 
 
-def test_cf_term_trains_only_through_the_edited_span_and_lambda_zero_trains_nothing(tmp_path):
+@pytest.mark.parametrize("compact", [False, True], ids=["trl-cpu-default", "completion-only-head"])
+def test_cf_term_trains_only_through_the_edited_span_and_lambda_zero_trains_nothing(tmp_path, compact):
+    """compact=True: the same checks with lemon.train.grpo.completion_only_lm_head on (how lemon.train.pipeline trains),
+    so the faster LM-head path is held to the same per-token reference as trl's own."""
     tiny_model(tmp_path / "tiny")
     # lambda = 0: the same batch, equal rewards -> no gradient at all, no weight moves
-    _, _, before0, grads0, after0 = _train_one_step(tmp_path, 0.0)
+    _, _, before0, grads0, after0 = _train_one_step(tmp_path, 0.0, compact)
     assert grads0 and all(g is not None for g in grads0.values())  # backward ran through every adapter weight...
     assert all(torch.all(g == 0) for g in grads0.values())  # ...and gave exactly nothing
     assert all(torch.equal(before0[n], after0[n]) for n in before0)
 
     # lambda = 1: the reference gradients, computed at the weights the step starts from
-    trainer, rollouts, before, grads, after = _train_one_step(tmp_path, 1.0)
+    trainer, rollouts, before, grads, after = _train_one_step(tmp_path, 1.0, compact)
     model, _ = _policy(tmp_path / "tiny")  # the same seeded weights as the trainer's model before its step
     assert all(torch.equal(p, before[n]) for n, p in _lora(model).items())
     pids = rollouts.prompt_ids()
@@ -153,3 +174,13 @@ def test_cf_term_trains_only_through_the_edited_span_and_lambda_zero_trains_noth
     # the span restriction is visible in the gradient: a trainer that put the contrast on every token would fail above
     assert not torch.allclose(whole, span, rtol=1e-2, atol=1e-5)
     assert any(not torch.equal(before[n], after[n]) for n in before)  # and the AdamW step moved the adapter
+
+
+def test_completion_only_lm_head_is_scoped_and_cpu_only():
+    import trl.trainer.utils as U
+    from lemon.train.grpo import completion_only_lm_head
+    real = U._use_triton
+    with completion_only_lm_head() as on:
+        assert on and U._use_triton(torch.device("cpu")) is True
+        assert U._use_triton(torch.device("meta")) == real(torch.device("meta"))  # other devices: trl's own answer
+    assert U._use_triton is real

@@ -17,7 +17,7 @@ P = default_prompts()
 @pytest.fixture(scope="module")
 def qwen():
     from transformers import AutoTokenizer
-    from lemon.train.policy import converted_dir
+    from lemon.policy.model import converted_dir
     return AutoTokenizer.from_pretrained(converted_dir("qwen2.5-coder-0.5b"))
 
 
@@ -139,3 +139,25 @@ def test_lemon_train_workers_flag_reaches_the_config(tmp_path, monkeypatch, caps
     finally:
         pool.close()
     assert main(["train", "--out", str(tmp_path / "r2"), "--workers", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_deterministic_workers_reach_the_pool(monkeypatch):
+    """Issue 30: the llama-server presets score with deterministic servers; build_pool hands `deterministic` to every
+    server entry (or the embedded default's ServerConfig) and refuses it for a backend it cannot make deterministic."""
+    from lemon.run.workers import WorkerPool
+    from lemon.train.config import train_preset
+    from lemon.train.pipeline import build_pool
+    assert train_preset("smoke").deterministic_workers and train_preset("cpu").deterministic_workers
+    assert not train_preset("paper").deterministic_workers  # vLLM workers: batch invariance is the server's setting
+    seen = {}
+    monkeypatch.setattr(WorkerPool, "from_config", classmethod(lambda cls, c, **kw: seen.setdefault("cfg", c)))
+    monkeypatch.setattr(WorkerPool, "embedded_default", classmethod(lambda cls, **kw: seen.setdefault("server", kw["server"])))
+    build_pool(train_preset("smoke"))
+    assert all(seen["cfg"][c]["deterministic"] is True for c in ("small", "medium", "large"))
+    assert build_pool(train_preset("cpu")).deterministic is True
+    seen.clear()
+    build_pool(train_preset("smoke", deterministic_workers=False))
+    assert "deterministic" not in seen["cfg"]["small"]
+    with pytest.raises(ValueError, match=r"\['large'\] use other backends"):
+        build_pool(train_preset("smoke", workers={**train_preset("smoke").workers,
+                                                  "large": {"backend": "openai", "model": "m"}}))

@@ -158,7 +158,7 @@ def test_warm_start_rebuilt_from_a_committed_corpus_is_the_same_adapter(tmp_path
     from _tiny import tiny_model
     from lemon.train.config import sft_preset, train_preset
     from lemon.train.pipeline import warm_start
-    from lemon.train.policy import PolicyConfig
+    from lemon.policy.model import PolicyConfig
     tiny_model(tmp_path / "tiny")
     cfg = train_preset("smoke", policy=PolicyConfig(model=str(tmp_path / "tiny"), backend="transformers", lora_r=4,
                                                     lora_alpha=8), max_completion_length=24, constrained=False)

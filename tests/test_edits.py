@@ -377,3 +377,56 @@ def test_sampler_floor_and_proportionality():
     assert again.probs() == fs.probs()
     with pytest.raises(ValueError, match="floor"):
         FamilySampler(floor=0.5)
+
+
+TOY_FAMILY = r'''
+import dataclasses, json, random
+import lemon.train.edits as E
+from lemon.prompts import CAPACITIES, default_prompts
+
+def sites(spec, live, prompts):
+    return [(a.id,) for a in live if a.capacity != CAPACITIES[-1]]
+
+def rewrite(spec, i, site, prompts):
+    a, sp = spec.agents[i], spec.spans[i]
+    new = CAPACITIES[CAPACITIES.index(a.capacity) + 1]
+    return sp.capacity, sp.capacity, new, dataclasses.replace(a, capacity=new)
+
+# the one record a new family is (written here before the rest of lemon is imported, as a line in edits.py would be)
+E.REGISTRY["upgrade"] = E.EditFamily("upgrade", "m_U (capacity +1)", sites, rewrite, lambda spec, s: f"raise {s[0]}")
+E.FAMILIES = tuple(E.REGISTRY)
+
+from lemon.spec import parse_spec
+from lemon.study.config import VARIANTS
+from lemon.study.plots import FAMILY_LABEL
+from lemon.testbed.experiment import ARMS
+from lemon.train.config import train_preset
+from lemon.train.edits import FamilySampler, apply_edit, sample_edit
+
+P = default_prompts()
+text = ("agents:\n  - id: a1\n    base_role: solver\n    role: \"Solver\"\n    duty: \"Compute it.\"\n    capacity: small\n"
+        "    depends_on: []\nfinal: a1\n")
+spec = parse_spec(text, base_roles=P.roles_for(None))
+e = sample_edit(spec, P, random.Random(0), families=("upgrade",))
+print(json.dumps({"edited": e.spec.agents[0].capacity, "span": text[e.span[0]:e.span[1]], "family": e.family,
+                  "config": train_preset("smoke", cf_families=("upgrade",)).cf_families,
+                  "sampler": sorted(FamilySampler().probs()), "label": FAMILY_LABEL["upgrade"],
+                  "arm": ARMS["upgrade"], "variant": VARIANTS["upgrade"], "describe": E.REGISTRY["upgrade"].describe(spec, ("a1",)),
+                  "default_families": list(train_preset("smoke").cf_families)}))
+'''
+
+
+def test_a_new_edit_family_is_one_record():
+    """Issue 31: registering a toy family (raise a capacity one level) in edits.REGISTRY is all it takes for the trainer's
+    config, the edit sampler, the family sampler, plots, testbed arms, study variants and the inspector to know it. Run in
+    a fresh process: the record exists before the rest of lemon is imported, as if written in edits.py."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", TOY_FAMILY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["edited"] == "medium" and r["span"] == "small" and r["family"] == "upgrade"
+    assert r["config"] == ["upgrade"] and r["sampler"] == sorted([*FAMILIES, "upgrade"])
+    assert r["label"] == "m_U (capacity +1)" and r["describe"] == "raise a1"
+    assert r["arm"] == {"cf_lambda": 1.0, "cf_families": ["upgrade"]} and r["variant"] == {"cf_families": ["upgrade"]}
+    assert r["default_families"] == [*FAMILIES, "upgrade"]

@@ -30,7 +30,7 @@ def _train_tiny(tmp_path, backend: str, steps: int = 3) -> dict:
     from lemon.prompts import default_prompts
     from lemon.train.config import train_preset
     from lemon.train.pipeline import train
-    from lemon.train.policy import PolicyConfig, load_policy
+    from lemon.policy.model import PolicyConfig, load_policy
     _tiny_model(tmp_path / "tiny")
     pcfg = PolicyConfig(model=str(tmp_path / "tiny"), backend=backend, lora_r=4, lora_alpha=8, max_seq_length=4096)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 from lemon.train.config import train_preset  # noqa: E402
-from lemon.train.policy import PolicyConfig, weights_dtype  # noqa: E402
+from lemon.policy.model import PolicyConfig, weights_dtype  # noqa: E402
 
 FAKE_UNSLOTH = '''
 import trl
@@ -59,7 +59,7 @@ def test_policy_weights_are_bf16_on_cuda_and_fp32_on_cpu():
 
 
 def test_sampling_on_cuda_never_makes_a_merged_copy(monkeypatch):
-    import lemon.train.dtype as D
+    import lemon.policy.dtype as D
     from lemon.train.pipeline import sample_dtype_for
     monkeypatch.setattr(D, "cpu_bf16_native", lambda cpuinfo=None: True)  # a GPU host whose CPU has native bf16
     cfg = train_preset("smoke")
@@ -90,7 +90,7 @@ def test_unsloth_gets_the_exact_model_name_and_the_run_seed(monkeypatch):
             calls["peft"] = kw
             return model
     monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
-    from lemon.train.policy import load_policy
+    from lemon.policy.model import load_policy
     load_policy(PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="unsloth"), seed=7)
     assert calls["load"]["use_exact_model_name"] is True
     assert calls["peft"]["random_state"] == 7

@@ -1,5 +1,5 @@
 """The spec grammar (lemon.spec.grammar), the canonical SFT format (Spec.to_yaml / canonical) and policy rollouts
-(lemon.train.rollout): the grammar's language parses, every canonical spec is in it token by token for both shipped
+(lemon.policy.rollout): the grammar's language parses, every canonical spec is in it token by token for both shipped
 tokenizers, and real constrained samples from the 135M policy all parse."""
 import random
 import string
@@ -19,7 +19,7 @@ ALL_ROLES = tuple(P.roles_for(None))
 @pytest.fixture(scope="module")
 def toks():
     from transformers import AutoTokenizer
-    from lemon.train.policy import converted_dir
+    from lemon.policy.model import converted_dir
     return {name: AutoTokenizer.from_pretrained(converted_dir(name)) for name in ("qwen2.5-coder-0.5b", "smollm2-135m")}
 
 
@@ -202,10 +202,10 @@ def test_grammar_config_checks():
         SpecGrammar(("solver", "solver"))
 
 
-# ---- rollouts (lemon.train.rollout) on the real 135M policy ---------------------------------------------------------
+# ---- rollouts (lemon.policy.rollout) on the real 135M policy ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy():
-    from lemon.train.policy import PolicyConfig, load_policy
+    from lemon.policy.model import PolicyConfig, load_policy
     return load_policy(PolicyConfig(model="smollm2-135m"), lora=False)
 
 
@@ -231,7 +231,7 @@ SMALL_BOUNDS = dict(max_agents=3, role_chars=16, duty_chars=40)  # keeps the 135
 def test_constrained_samples_all_parse_mixed_domains(policy):
     """8 specs from the real 135M policy at T=1, rows from three domains in one generate call: every one finishes and
     parses with its own domain's base roles."""
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     model, tok = policy
     domains = ["math", "knowledge", "code", "math"]
     con = GrammarConstraint(tuple(grammars_for(P, domains, **SMALL_BOUNDS)), GrammarCache())
@@ -244,7 +244,7 @@ def test_constrained_samples_all_parse_mixed_domains(policy):
 
 
 def test_seeded_and_greedy(policy):
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     model, tok = policy
     msgs = _prompts(["math"])
     con = GrammarConstraint(SpecGrammar.for_domain(P, "math", **SMALL_BOUNDS), GrammarCache())
@@ -259,7 +259,7 @@ def test_seeded_and_greedy(policy):
 
 
 def test_unconstrained_same_structure(policy):
-    from lemon.train.rollout import sample_specs
+    from lemon.policy.rollout import sample_specs
     model, tok = policy
     out = sample_specs(model, tok, _prompts(["math", "code"]), n=2, temperature=1.0, max_new_tokens=16, seed=3)
     _check_structure(out, tok, 2, 2, 16)
@@ -269,8 +269,8 @@ def test_unconstrained_same_structure(policy):
 def test_peft_policy_samples_without_merging(policy):
     """A fresh LoRA adapter (B = 0) samples exactly what the base model samples, through peft, adapters unmerged."""
     from peft import LoraConfig, get_peft_model
-    from lemon.train.policy import PolicyConfig, load_policy
-    from lemon.train.rollout import sample_specs
+    from lemon.policy.model import PolicyConfig, load_policy
+    from lemon.policy.rollout import sample_specs
     base, tok = policy
     msgs = _prompts(["knowledge"])
     want = sample_specs(base, tok, msgs, n=2, temperature=1.0, max_new_tokens=12, seed=5)
@@ -285,7 +285,7 @@ def test_peft_policy_samples_without_merging(policy):
 
 def test_dtype_detection():
     import torch
-    from lemon.train.dtype import cpu_bf16_flags, sampling_context, sampling_weights_dtype
+    from lemon.policy.dtype import cpu_bf16_flags, sampling_context, sampling_weights_dtype
     assert cpu_bf16_flags("processor: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n") == {"avx512_bf16"}
     assert cpu_bf16_flags("flags: fpu avx2\n") == set()
     assert sampling_weights_dtype("cpu") in (torch.float32, torch.bfloat16)
@@ -298,9 +298,9 @@ def test_dtype_detection():
 def test_sampling_copy_follows_lora_and_leaves_policy_alone():
     import torch
     from peft import LoraConfig, get_peft_model
-    from lemon.train.dtype import SamplingCopy
-    from lemon.train.policy import PolicyConfig, load_policy
-    from lemon.train.rollout import sample_specs
+    from lemon.policy.dtype import SamplingCopy
+    from lemon.policy.model import PolicyConfig, load_policy
+    from lemon.policy.rollout import sample_specs
     base, tok = load_policy(PolicyConfig(model="smollm2-135m"), lora=False)
     policy = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     shadow = SamplingCopy(policy, torch.bfloat16)

@@ -43,7 +43,7 @@ final: a2
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
-    from lemon.train.policy import converted_dir
+    from lemon.policy.model import converted_dir
     return AutoTokenizer.from_pretrained(converted_dir("smollm2-135m"))
 
 

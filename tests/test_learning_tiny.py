@@ -2,7 +2,7 @@
 
 Everything but the policy's size is what `lemon train` runs: the real prompts, spec grammar (llguidance), parser, edit
 families, span mapping, TRL GRPOTrainer with the CF mixin and its loss. The policy is a randomly initialised 2-layer Qwen2
-with SmolLM2's real tokenizer (lemon.train.policy.random_policy); the workers are the tiny testbed world's simulation, and
+with SmolLM2's real tokenizer (lemon.policy.model.random_policy); the workers are the tiny testbed world's simulation, and
 every rollout and counterfactual is rewarded with its EXACT expected reward (lemon.testbed.exact), so the only noise left is
 the policy's own sampling. The measure is deterministic: the exact expected reward of the GREEDY specs on held-out questions,
 before training and after.
@@ -23,7 +23,7 @@ from lemon.prompts import default_prompts  # noqa: E402
 from lemon.testbed.experiment import ExperimentConfig, collect, evaluate_heldout, run_arm, train_config  # noqa: E402
 from lemon.testbed.stats import step_curves  # noqa: E402
 from lemon.testbed.world import duty_world  # noqa: E402
-from lemon.train.policy import PolicyConfig, converted_dir, random_policy  # noqa: E402
+from lemon.policy.model import PolicyConfig, converted_dir, random_policy  # noqa: E402
 
 STEPS = 10
 OVERRIDES = {"num_generations": 4, "batch_size": 8, "learning_rate": 2e-2, "resample": 0,

@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 from _tiny import tiny_model  # noqa: E402  (tests/_tiny.py)
 
-from lemon.train.policy import PolicyConfig, load_adapter_weights, load_policy  # noqa: E402
+from lemon.policy.model import PolicyConfig, load_adapter_weights, load_policy  # noqa: E402
 
 
 def _lora(path, r):
@@ -61,10 +61,10 @@ def test_mismatched_adapter_is_refused(tmp_path):
 
 
 def test_merged_sampling_copy_matches_the_policy_and_leaves_it_alone(tmp_path):
-    """lemon.train.dtype.merged_copy ('bf16_merged' rollouts): W + scale * B @ A in one plain module, so its logits match
+    """lemon.policy.dtype.merged_copy ('bf16_merged' rollouts): W + scale * B @ A in one plain module, so its logits match
     the unmerged peft policy (fp32 copy: to 1e-4; bf16 copy: to bf16 rounding), and the policy itself stays fp32, unmerged
     and trainable."""
-    from lemon.train.dtype import merged_copy
+    from lemon.policy.dtype import merged_copy
     tiny_model(tmp_path / "tiny")
     policy = _lora(tmp_path / "tiny", 4)
     for n, p in policy.named_parameters():

@@ -1,6 +1,9 @@
-"""The repo keeps its promises: README's test command is what CI runs; CPU torch is pinned; big things stay out of git."""
+"""The repo keeps its promises: README's test command is what CI runs; CPU torch is pinned; big things stay out of git;
+imports point down the stages (spec, run, benchmarks, policy, eval, train, study, testbed) with no cycle."""
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,3 +35,88 @@ def test_outputs_and_weights_ignored():
     gi = (ROOT / ".gitignore").read_text().splitlines()
     for pat in (".venv/", "outputs/*", "*.gguf"):
         assert pat in gi
+
+
+# ---- the import graph (issue 31): imports point down the stages and form no cycle ---------------------------------------
+# lemon's stages, lowest first; a module may import its own stage and any lower one. Every import counts, at the top of a
+# module or inside a function (a lazy import is still a dependency).
+STAGES = [("prompts", "progress"), ("spec",), ("run",), ("benchmarks",), ("manifest",), ("policy",), ("eval",), ("train",),
+          ("study",), ("testbed",), ("cli", "__main__")]
+RANK = {name: i for i, names in enumerate(STAGES) for name in names}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the lemon modules it imports (a `from lemon.x import y` names lemon.x.y when that is a module)."""
+    import ast
+    mods = {}
+    for f in (ROOT / "lemon").rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for m, f in mods.items():
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] == "lemon":
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "lemon"]
+            out |= {n for n in names if n in mods and n != m}
+        graph[m] = out
+    return graph
+
+
+def _stage(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "<lemon>"
+
+
+def test_no_import_points_up_a_stage_and_no_cycle():
+    graph = _import_graph()
+    unknown = sorted({_stage(m) for m in graph} - set(RANK) - {"<lemon>"})
+    assert not unknown, f"stages {unknown} are not in tests/test_repo.py STAGES: place them"
+    up = sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs
+                if _stage(a) in RANK and _stage(b) in RANK and RANK[_stage(b)] > RANK[_stage(a)])
+    assert not up, "imports that point up a stage:\n" + "\n".join(up)
+    # cycles: a module that can reach itself (depth-first search with colours)
+    colour, stack, cycles = {}, [], []
+
+    def visit(v):
+        colour[v] = 1
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if colour.get(w) == 1:
+                cycles.append(stack[stack.index(w):] + [w])
+            elif w not in colour:
+                visit(w)
+        stack.pop()
+        colour[v] = 2
+    for v in sorted(graph):
+        if v not in colour:
+            visit(v)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_import_graph_checker_sees_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
+    """The checker itself, on a toy package: run -> train points up; a <-> b is a cycle."""
+    pkg = tmp_path / "lemon"
+    for rel, text in {"run/__init__.py": "", "run/x.py": "from lemon.train import y\n", "train/__init__.py": "",
+                      "train/y.py": "", "train/a.py": "def f():\n    from lemon.train import b\n",
+                      "train/b.py": "import lemon.train.a\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # the checker reads the module-level ROOT
+    with pytest.raises(AssertionError, match=r"lemon\.run\.x -> lemon\.train\.y"):
+        test_no_import_points_up_a_stage_and_no_cycle()
+    (pkg / "run/x.py").write_text("")
+    with pytest.raises(AssertionError, match=r"import cycles:\n\s*lemon\.train\.a -> lemon\.train\.b -> lemon\.train\.a"):
+        test_no_import_points_up_a_stage_and_no_cycle()
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """Issue 31: README stays scannable (<= 1,000 words) and every relative link in it (records, LOG, docs) exists."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) <= 1000, f"README.md has {len(text.split())} words (> 1,000): move detail to outputs/reference/"
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [link.split("#")[0] for link in links if not re.match(r"[a-z]+://", link) and link.split("#")[0]]
+    missing = sorted({p for p in local if not (ROOT / p).exists()})
+    assert local and not missing, f"README links to missing paths: {missing}"

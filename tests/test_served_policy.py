@@ -1,4 +1,4 @@
-"""The policy served by llama-server (lemon.run.served_policy, lemon.eval.served): the top-n greedy under an llguidance mask
+"""The policy served by llama-server (lemon.policy.served, lemon.eval.served): the top-n greedy under an llguidance mask
 against a slow obvious reference (a fake server, every branch: forced tokens, a top-n hit, the ban fallback), the F32 base
 against transformers' own dequantized weights, and the real server against the real transformers policy."""
 import json
@@ -18,7 +18,7 @@ GRAMMAR = SpecGrammar.for_domain(P, "math", max_agents=2, role_chars=12, duty_ch
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
-    from lemon.train.policy import converted_dir
+    from lemon.policy.model import converted_dir
     return AutoTokenizer.from_pretrained(str(converted_dir("smollm2-135m")))
 
 
@@ -26,7 +26,7 @@ class FakeServed:
     """ServedPolicy's greedy loop over a fake /completion: fixed pseudo-random logits per (prefix length, token)."""
 
     def __init__(self, n_vocab: int, eos: int):
-        from lemon.run.served_policy import ServedPolicy
+        from lemon.policy.served import ServedPolicy
         self.greedy_constrained = ServedPolicy.greedy_constrained.__get__(self)
         self.n_vocab, self.eos, self.calls, self.bans = n_vocab, eos, 0, 0
         rng = np.random.default_rng(0)
@@ -85,7 +85,7 @@ def test_top_n_greedy_matches_the_full_mask_argmax(tok, top_n):
 
 
 def test_bad_inputs_are_named(tmp_path):
-    from lemon.run.served_policy import adapter_to_gguf, base_gguf
+    from lemon.policy.served import adapter_to_gguf, base_gguf
     with pytest.raises(FileNotFoundError, match="not a saved peft adapter"):
         adapter_to_gguf(tmp_path, "smollm2-135m")
     with pytest.raises(ValueError, match="weights='q8'"):
@@ -98,8 +98,8 @@ def test_f32_base_holds_exactly_the_trained_policys_weights():
     import torch
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
-    from lemon.run.served_policy import base_gguf
-    from lemon.train.policy import converted_dir
+    from lemon.policy.served import base_gguf
+    from lemon.policy.model import converted_dir
     r = GGUFReader(str(base_gguf("smollm2-135m")))
     assert {t.tensor_type.name for t in r.tensors} == {"F32"} and r.fields["general.file_type"].contents() == 0
     down = next(t for t in r.tensors if t.name == "blk.3.ffn_down.weight")
@@ -112,7 +112,7 @@ def test_f32_base_holds_exactly_the_trained_policys_weights():
 @pytest.mark.timeout(900)
 def test_served_policy_writes_the_transformers_policys_greedy_specs(tmp_path):
     """The real llama-server with the SmolLM2 policy and a random LoRA (B ~ N(0, 0.05^2), so the adapter matters) writes,
-    token for token, the greedy constrained spec of lemon.train.rollout.sample_specs on a GSM8K train question;
+    token for token, the greedy constrained spec of lemon.policy.rollout.sample_specs on a GSM8K train question;
     token log-probs agree to 1e-3. One question, at most 2 agents: transformers' greedy decoding is the slow part."""
     import sys
     from pathlib import Path
@@ -121,9 +121,9 @@ def test_served_policy_writes_the_transformers_policys_greedy_specs(tmp_path):
     from lemon.benchmarks.pools import pool
     from lemon.eval.orchestrator import OrchestratorConfig, orchestrator_messages
     from lemon.eval.served import ServedPolicySpecWriter
-    from lemon.run.served_policy import ServedPolicy
-    from lemon.train.policy import PolicyConfig, load_policy
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.served import ServedPolicy
+    from lemon.policy.model import PolicyConfig, load_policy
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     qs = list(pool("gsm8k", "train"))
     random.Random(0).shuffle(qs)
     qs = qs[:1]

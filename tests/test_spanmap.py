@@ -42,7 +42,7 @@ def _byte_decoder() -> dict[str, int]:
 class Tok:
     def __init__(self, name):
         from transformers import AutoTokenizer
-        from lemon.train.policy import converted_dir
+        from lemon.policy.model import converted_dir
         self.hf = AutoTokenizer.from_pretrained(converted_dir(name))
         self.special = set(self.hf.all_special_ids)
         self.bd = _byte_decoder()

@@ -79,7 +79,7 @@ def _load(path):
                                                     (False, "config", False)],
                          ids=["fast_language_model", "fast_language_model_peft", "tuple_cache_only", "fast_model"])
 def test_unsloth_like_model_samples_what_the_plain_model_samples(tiny, tuple_cache, force, peft):
-    from lemon.train.rollout import sample_specs
+    from lemon.policy.rollout import sample_specs
     plain, tok = _load(tiny)
     other, _ = _load(tiny)
     model = _unsloth_like(other, tuple_cache=tuple_cache, force=force)

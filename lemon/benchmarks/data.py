@@ -13,120 +13,22 @@ import functools
 import json
 import os
 import random
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import DataNotFoundError, UnknownBenchmarkError, UnknownSplitError
+from .example import LETTERS, Example, FrozenMeta, _thaw, format_number, render_options  # noqa: F401  (re-exported)
+from .records import HUMANEVAL_INSTRUCTION, RECORDS  # noqa: F401  (re-exported)
 
-BENCHMARKS: tuple[str, ...] = ("gsm8k", "multiarith", "svamp", "aqua", "mmlu", "humaneval")
+# every table below is derived from the one record per benchmark in records.py
+BENCHMARKS: tuple[str, ...] = tuple(RECORDS)
 
-#: Valid splits per benchmark (the canonical HF split names). ``aqua/train`` exists on
-#: the hub but is not mirrored locally (see the data README), so it needs ``datasets``.
-SPLITS: dict[str, tuple[str, ...]] = {
-    "gsm8k": ("train", "test"),
-    "multiarith": ("train", "test"),
-    "svamp": ("train", "test"),
-    "aqua": ("train", "validation", "test"),
-    "mmlu": ("dev", "validation", "test"),
-    "humaneval": ("test",),
-}
+#: Valid splits per benchmark (the canonical HF split names).
+SPLITS: dict[str, tuple[str, ...]] = {n: r.splits for n, r in RECORDS.items()}
 
 #: Canonical hub ids (and config) used by the ``datasets`` fallback.
-HUB_IDS: dict[str, tuple[str, str | None]] = {
-    "gsm8k": ("openai/gsm8k", "main"),
-    "multiarith": ("ChilleD/MultiArith", None),
-    "svamp": ("ChilleD/SVAMP", None),
-    "aqua": ("deepmind/aqua_rat", "raw"),
-    "mmlu": ("cais/mmlu", "all"),
-    "humaneval": ("openai/openai_humaneval", None),
-}
-
-LETTERS = "ABCDE"
-
-HUMANEVAL_INSTRUCTION = (
-    "Complete the following Python function so that it satisfies its docstring. "
-    "Keep the given signature.\n\n"
-)
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return FrozenMeta(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, (set, frozenset)):
-        return frozenset(_freeze(v) for v in value)
-    return value
-
-
-class FrozenMeta(Mapping):
-    """Immutable, hashable, picklable mapping (lists are stored as tuples)."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, data: Mapping | None = None, **kw: Any) -> None:
-        d = dict(data or {}, **kw)
-        object.__setattr__(self, "_d", {k: _freeze(v) for k, v in d.items()})
-
-    def __getitem__(self, key: str) -> Any:
-        return self._d[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._d.items())))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self._d) == dict(other)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("FrozenMeta is immutable")
-
-    def __reduce__(self):
-        return (FrozenMeta, (dict(self._d),))
-
-    def __repr__(self) -> str:
-        return f"FrozenMeta({self._d!r})"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One benchmark item.
-
-    ``question`` is the worker-facing task text; ``gold`` is the reference answer as a
-    string (canonical number, option letter, or for HumanEval the canonical solution
-    body); ``meta`` holds benchmark-specific fields (options, subject, prompt/test/...).
-    """
-
-    id: str
-    benchmark: str
-    split: str
-    question: str
-    gold: str
-    meta: FrozenMeta = field(default_factory=FrozenMeta)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.meta, FrozenMeta):
-            object.__setattr__(self, "meta", FrozenMeta(self.meta))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "benchmark": self.benchmark, "split": self.split,
-                "question": self.question, "gold": self.gold, "meta": _thaw(self.meta)}
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_thaw(v) for v in value]
-    return value
+HUB_IDS: dict[str, tuple[str, str | None]] = {n: r.hub_id for n, r in RECORDS.items()}
 
 
 # --------------------------------------------------------------------------- names
@@ -150,61 +52,10 @@ def check_split(name: str, split: str) -> str:
 
 # --------------------------------------------------------------------------- rows -> Example
 
-def format_number(value: float | int | str) -> str:
-    """Canonical string for a numeric gold: ``145.0 -> '145'``, ``'1,080' -> '1080'``."""
-    text = str(value).replace(",", "").strip()
-    num = float(text)
-    if num.is_integer():
-        return str(int(num))
-    return repr(num)
-
-
-def render_options(question: str, options: tuple[str, ...]) -> str:
-    lines = [f"{LETTERS[i]}) {opt}" for i, opt in enumerate(options)]
-    return question.strip() + "\n\n" + "\n".join(lines)
-
-
-_AQUA_OPTION = re.compile(r"^\s*([A-E])\s*\)\s*(.*?)\s*$", re.S)
-
-
 def row_to_example(name: str, split: str, index: int, row: Mapping[str, Any]) -> Example:
-    ex_id = f"{name}/{split}/{index}"
-    if name == "gsm8k":
-        gold = format_number(row["answer"].split("####")[-1])
-        return Example(ex_id, name, split, row["question"].strip(), gold,
-                       {"solution": row["answer"]})
-    if name == "multiarith":
-        return Example(ex_id, name, split, row["question"].strip(),
-                       format_number(row["final_ans"]), {})
-    if name == "svamp":
-        question = f"{row['Body'].strip()} {row['Question'].strip()}"
-        return Example(ex_id, name, split, question, format_number(row["Answer"]),
-                       {"svamp_id": row["ID"], "equation": row["Equation"],
-                        "type": row["Type"]})
-    if name == "aqua":
-        opts = []
-        for i, raw in enumerate(row["options"]):
-            m = _AQUA_OPTION.match(raw)
-            if not m or m.group(1) != LETTERS[i]:
-                raise ValueError(f"{ex_id}: unparseable AQuA option {raw!r}")
-            opts.append(m.group(2))
-        options = tuple(opts)
-        return Example(ex_id, name, split, render_options(row["question"], options),
-                       row["correct"].strip().upper(),
-                       {"options": options, "stem": row["question"],
-                        "rationale": row.get("rationale", "")})
-    if name == "mmlu":
-        options = tuple(str(c) for c in row["choices"])
-        return Example(ex_id, name, split, render_options(row["question"], options),
-                       LETTERS[int(row["answer"])],
-                       {"options": options, "stem": row["question"],
-                        "subject": row["subject"]})
-    if name == "humaneval":
-        return Example(row["task_id"], name, split,
-                       HUMANEVAL_INSTRUCTION + row["prompt"], row["canonical_solution"],
-                       {"task_id": row["task_id"], "prompt": row["prompt"],
-                        "test": row["test"], "entry_point": row["entry_point"]})
-    raise UnknownBenchmarkError(name)
+    if name not in RECORDS:
+        raise UnknownBenchmarkError(name)
+    return RECORDS[name].to_example(name, split, index, row)
 
 
 # --------------------------------------------------------------------------- loading

@@ -29,15 +29,14 @@ import random
 import re
 
 from .data import BENCHMARKS, Example, check_name, load
+from .records import RECORDS
 
 PROTOCOLS: tuple[str, ...] = ("paper", "peers")
 WHICH: tuple[str, ...] = ("train", "eval")
 
-POOL_SPLITS: dict[str, dict[str, str]] = {
-    "train": {"gsm8k": "train", "multiarith": "train", "svamp": "train",
-              "aqua": "validation", "mmlu": "dev", "humaneval": "test"},
-    "eval": {"gsm8k": "test", "multiarith": "test", "svamp": "test",
-             "aqua": "test", "mmlu": "validation", "humaneval": "test"},
+POOL_SPLITS: dict[str, dict[str, str]] = {  # from the one record per benchmark (records.py)
+    "train": {n: r.train_split for n, r in RECORDS.items()},
+    "eval": {n: r.eval_split for n, r in RECORDS.items()},
 }
 
 HUMANEVAL_TRAIN_SIZE = 40

@@ -1,4 +1,4 @@
-"""The six benchmarks: domain, final-answer convention, extraction and scoring."""
+"""The benchmarks (one record each in records.py): domain, final-answer convention, extraction and scoring."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .answers import extract_letter, extract_number, numbers_match
-from .data import BENCHMARKS, HUB_IDS, SPLITS, Example, check_name, load
+from .data import Example, check_name, load
+from .records import RECORDS, BenchmarkRecord
 
 NUMBER_CONVENTION = (
     "End your reply with a final line of the form 'Answer: <number>' "
@@ -79,25 +80,20 @@ class Benchmark:
         return load(self.name, split, limit=limit, seed=seed, data_dir=data_dir)
 
 
-def _make(name: str, domain: str, kind: str, letters: str = "") -> Benchmark:
-    if kind == "number":
+def _make(r: BenchmarkRecord) -> Benchmark:
+    if r.kind == "number":
         conv = NUMBER_CONVENTION
-    elif kind == "letter":
-        conv = LETTER_CONVENTION.format(letters=_letters_phrase(letters))
-    else:
+    elif r.kind == "letter":
+        conv = LETTER_CONVENTION.format(letters=_letters_phrase(r.letters))
+    elif r.kind == "code":
         conv = CODE_CONVENTION
-    return Benchmark(name, domain, kind, conv, SPLITS[name], HUB_IDS[name], letters)
+    else:
+        raise ValueError(f"benchmark {r.name!r}: unknown answer kind {r.kind!r} (number, letter or code; a new kind needs "
+                         "code here and in answers.py)")
+    return Benchmark(r.name, r.domain, r.kind, conv, r.splits, r.hub_id, r.letters)
 
 
-REGISTRY: dict[str, Benchmark] = {
-    "gsm8k": _make("gsm8k", "math", "number"),
-    "multiarith": _make("multiarith", "math", "number"),
-    "svamp": _make("svamp", "math", "number"),
-    "aqua": _make("aqua", "math", "letter", "ABCDE"),
-    "mmlu": _make("mmlu", "knowledge", "letter", "ABCD"),
-    "humaneval": _make("humaneval", "code", "code"),
-}
-assert tuple(REGISTRY) == BENCHMARKS
+REGISTRY: dict[str, Benchmark] = {n: _make(r) for n, r in RECORDS.items()}  # one record per benchmark: records.py
 
 
 def get_benchmark(name: str) -> Benchmark:

@@ -82,9 +82,9 @@ class PoolSpecWriter:
 
 class PolicySpecWriter:
     """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train) writes the spec
-    greedily, under the same spec grammar it was trained with (`constrained`; lemon.train.rollout.sample_specs), so an
+    greedily, under the same spec grammar it was trained with (`constrained`; lemon.policy.rollout.sample_specs), so an
     evaluated spec is what the policy would write in training. Its prompt and completion tokens are counted like any
-    model's. `dtype` as in lemon.train.rollout.sample_specs: 'model' (the loaded weights, fp32 on CPU: greedy evaluation is
+    model's. `dtype` as in lemon.policy.rollout.sample_specs: 'model' (the loaded weights, fp32 on CPU: greedy evaluation is
     exact) or 'autocast_bf16'."""
 
     def __init__(self, model, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), name: str = "policy", *,
@@ -94,7 +94,7 @@ class PolicySpecWriter:
         self._grammar_cache = None
 
     def propose(self, task: str, domain: str, prompts: Prompts, seed: int = 0) -> SpecProposal:
-        from lemon.train.rollout import GrammarConstraint, sample_specs
+        from lemon.policy.rollout import GrammarConstraint, sample_specs
         msgs = orchestrator_messages(task, domain, prompts, self.cfg.max_agents)
         constraint = None
         if self.constrained:

@@ -1,4 +1,4 @@
-"""The trained orchestrator written by a llama-server (lemon.run.served_policy) instead of transformers: the same interface
+"""The trained orchestrator written by a llama-server (lemon.policy.served) instead of transformers: the same interface
 as lemon.eval.orchestrator.PolicySpecWriter (propose -> SpecProposal), the same prompt token ids and, constrained, the same
 llguidance matcher applied token by token, so a greedy spec is the one the transformers writer would give up to f32
 summation order. Agreement and speed: bench/served_policy_bench.py."""
@@ -11,12 +11,12 @@ from lemon.spec.grammar import GrammarCache, SpecGrammar
 
 
 def policy_eos_ids(base_model: str, tokenizer) -> set[int]:
-    """The ids transformers' generate() stops on for this policy: lemon.train.rollout's rule on the generation_config
+    """The ids transformers' generate() stops on for this policy: lemon.policy.rollout's rule on the generation_config
     saved beside the policy's weights (none saved: the tokenizer's EOS)."""
     from transformers import GenerationConfig
     from lemon.run.models import SHIPPED
-    from lemon.train.policy import converted_dir
-    from lemon.train.rollout import eos_ids_of
+    from lemon.policy.model import converted_dir
+    from lemon.policy.rollout import eos_ids_of
     try:
         gen = GenerationConfig.from_pretrained(str(converted_dir(base_model) if base_model in SHIPPED else base_model))
     except OSError:

@@ -92,7 +92,7 @@ def study_comparisons(cfg, root: Path) -> pd.DataFrame:
     """The study's paired table: the trained policy ('lemon', notebook 04) against each training variant of notebook 03
     (evaluated on the ablation sample, a prefix of the eval sample: paired on the questions both saw) and against every
     other method of notebook 04. 'full' at the main run's step count is the main adapter itself and is left out."""
-    from lemon.study.runner import StudyPaths
+    from lemon.study.paths import StudyPaths
     paths = StudyPaths(root)
     lemon = load_rows({b: paths.eval_dir("lemon", b) for b in cfg.benchmarks})
     pairs = []
@@ -116,7 +116,7 @@ def policy_specs(cfg, root: Path, prompts) -> dict[str, dict]:
     their results (None: the text did not parse)."""
     from lemon import benchmarks as B
     from lemon.spec import SpecError, parse_spec
-    from lemon.study.runner import StudyPaths
+    from lemon.study.paths import StudyPaths
     paths = StudyPaths(root)
     where = {"lemon": (cfg.benchmarks, lambda b: paths.eval_dir("lemon", b))}
     for v in cfg.ablation_variants:

@@ -94,7 +94,7 @@ class StudyConfig:
     """Checkpoints evaluated on the dev set: step 0 (the warm start), every this many steps (a multiple of save_steps
     that exists), and the final adapter."""
     policy_server: bool = False
-    """Trained policies write their evaluation specs on llama-server (lemon.run.served_policy: the same F32 weights and
+    """Trained policies write their evaluation specs on llama-server (lemon.policy.served: the same F32 weights and
     llguidance greedy, token for token the transformers specs; ~9x faster for the 0.5B, bench/served_policy_bench.py)."""
 
     def __post_init__(self):

@@ -9,8 +9,9 @@ import pandas as pd
 
 from lemon import benchmarks as B
 from lemon.eval.runner import read_rows, summarize
+from lemon.train.edits import REGISTRY
 
-FAMILY_LABEL = {"edge": "m_E (drop edge)", "role": "m_R (duty -> base role)", "capacity": "m_L (capacity -1)"}
+FAMILY_LABEL = {f.name: f.label for f in REGISTRY.values()}  # one record per family: lemon.train.edits.REGISTRY
 
 
 def _plt():
@@ -168,7 +169,7 @@ def edit_heatmap(e: pd.DataFrame):
 
 def ablation_table(root: Path, variants, benchmarks) -> pd.DataFrame:
     """Paper Table 2 shape: one row per training variant, accuracy and mean worker tokens per benchmark and averaged."""
-    from lemon.study.runner import StudyPaths
+    from lemon.study.paths import StudyPaths
     t = eval_table(root, variants, benchmarks, sub=lambda r, m, b: StudyPaths(r).variant_eval_dir(m, b))
     if t.empty:
         return t

@@ -23,45 +23,11 @@ from lemon import benchmarks as B
 from lemon.manifest import build_manifest, git_sha, write_json
 from lemon.progress import TEXT_ENV
 from lemon.run.models import DEFAULT_LADDER, SHIPPED
+from lemon.study.paths import StudyPaths  # noqa: F401  (re-exported: notebooks import it from here)
 from lemon.study.config import (MATH, NOTEBOOKS, ORCHESTRATORS, STUDY_PROFILES, VARIANTS,  # noqa: F401  (re-exported)
                                 StudyConfig, split_method, study_preset)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-# ---- where things go -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StudyPaths:
-    """The layout of one study folder."""
-
-    root: Path
-
-    def __post_init__(self):
-        object.__setattr__(self, "root", Path(self.root).resolve())
-
-    data = property(lambda s: s.root / "data")
-    samples = property(lambda s: s.root / "data" / "samples.json")
-    sft = property(lambda s: s.root / "train" / "sft")
-    grpo = property(lambda s: s.root / "train" / "grpo")
-    edits = property(lambda s: s.root / "ablations" / "edit_effects.jsonl")
-    plots = property(lambda s: s.root / "plots")
-    done = property(lambda s: s.root / ".done")
-
-    def variant(self, name: str) -> Path:
-        return self.root / "ablations" / "variants" / name
-
-    def variant_eval_dir(self, name: str, bench: str) -> Path:
-        return self.variant(name) / "eval" / bench
-
-    def eval_dir(self, method: str, bench: str) -> Path:
-        return self.root / "eval" / method / bench
-
-    def require(self, path: Path, notebook: str) -> Path:
-        """`path`, or a FileNotFoundError naming the notebook that writes it (nothing is recomputed silently)."""
-        if not Path(path).exists():
-            raise FileNotFoundError(f"{path} is missing: run notebooks/{notebook}.ipynb first with out_dir={str(self.root)!r} "
-                                    f"(or the whole study: scripts/main.sh --out {self.root})")
-        return Path(path)
 
 
 def resolve_out_dir(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, root: Path = ROOT,

@@ -184,7 +184,10 @@ def eval_pool(cfg: StudyConfig):
     from lemon.train.pipeline import build_pool
     domains = {B.get_benchmark(b).domain for b in (*cfg.benchmarks, *cfg.ablation_benchmarks)}
     caps = [domain_reply_caps(cfg.train.worker_max_tokens, d) for d in domains] or [dict(cfg.train.worker_max_tokens)]
-    return build_pool(replace(cfg.train, worker_max_tokens={c: max(x[c] for x in caps) for c in caps[0]}))
+    # deterministic_workers off: it is for training's reward contrasts (one request in flight per server); evaluation keeps
+    # the servers' batching throughput (greedy replies can then differ with what else is in flight, LOG.md 2026-12-05)
+    return build_pool(replace(cfg.train, worker_max_tokens={c: max(x[c] for x in caps) for c in caps[0]},
+                              deterministic_workers=False))
 
 
 def eval_caps(cfg: StudyConfig, benchmark: str = "gsm8k") -> ExecutorCaps:
@@ -215,14 +218,14 @@ class LazyPolicyWriter:
             if self.cfg.policy_server:
                 from transformers import AutoTokenizer
                 from lemon.eval.served import ServedPolicySpecWriter
-                from lemon.run.served_policy import ServedPolicy
-                from lemon.train.policy import converted_dir
+                from lemon.policy.served import ServedPolicy
+                from lemon.policy.model import converted_dir
                 model = self.cfg.train.policy.model
                 self._server = ServedPolicy(model, self.adapter)
                 tok = AutoTokenizer.from_pretrained(str(converted_dir(model)))  # the tokenizer load_policy uses
                 self._w = ServedPolicySpecWriter(self._server, tok, orch)
             else:
-                from lemon.train.policy import load_policy
+                from lemon.policy.model import load_policy
                 model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
                 model.eval()
                 self._w = PolicySpecWriter(model, tok, orch, self.name)

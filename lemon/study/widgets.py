@@ -16,7 +16,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from lemon.train.edits import FAMILIES, apply_edit as _apply_edit, eligible_sites
+from lemon.train.edits import FAMILIES, REGISTRY, apply_edit as _apply_edit, eligible_sites
 from lemon.run.executor import ExecutorCaps, NodeCache, Trace, execute
 from lemon.prompts import CAPACITIES, Prompts
 from lemon.train.rewards import RewardConfig, compute_reward
@@ -177,10 +177,7 @@ class SpecInspector:
         return eligible_sites(self.current, family, self.prompts)
 
     def _label(self, family: str, site: tuple[str, ...]) -> str:
-        if family == "edge":
-            return f"drop {site[1]} → {site[0]}"
-        a = self.current.agent(site[0])
-        return f"{a.id}: duty → {a.base_role} default" if family == "role" else f"{a.id} (now {a.capacity})"
+        return REGISTRY[family].describe(self.current, site)
 
     def _refresh_sites(self) -> None:
         fam = self.family.value

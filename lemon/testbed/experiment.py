@@ -34,6 +34,9 @@ ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "
 WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world, "mixed": mixed_world}
 WORLDS = tuple(WORLD_BUILDERS)
 SCORINGS = ("exact", "sampled")
+BASES = ("preset", "random-tiny")
+# the random-tiny base's LoRA (rank 8 on a 64-wide model) and fp32 weights, as the CI learning test trains it
+RANDOM_TINY = {"backend": "transformers", "lora_r": 8, "lora_alpha": 16, "dtype": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,11 @@ class ExperimentConfig:
     """LoRA to start every run from (e.g. an SFT warm start); None = the base policy with fresh adapters."""
     train_overrides: Mapping = field(default_factory=dict)
     """Further TrainConfig fields for every run (e.g. {"num_generations": 8})."""
+    base: str = "preset"
+    """The policy every run starts from: 'preset' (the trainer profile's policy, e.g. SmolLM2-135M for 'smoke') or
+    'random-tiny' (a random 2-layer Qwen2 with SmolLM2's tokenizer, lemon.policy.model.cached_random_policy, drawn from the
+    TRAINING seed: each seed is an independent policy, shared by every arm of that seed, so arms stay paired; ~10 s a step
+    on 2 cores, which is what makes >= 10 seeds per arm and world affordable, issue 30)."""
     scoring: str = "exact"
     """'exact': rollouts and edits rewarded with their exact expected reward (lemon.testbed.exact, no outcome noise);
     'sampled': executed on the simulated pool, one sampled outcome each (the real trainer's noise)."""
@@ -75,6 +83,11 @@ class ExperimentConfig:
     def __post_init__(self):
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring={self.scoring!r}; valid: {', '.join(SCORINGS)}")
+        if self.base not in BASES:
+            raise ValueError(f"base={self.base!r}; valid: {', '.join(BASES)}")
+        if self.base == "random-tiny" and self.init_adapter:
+            raise ValueError("base='random-tiny' draws a new policy per seed: an init_adapter trained for another base "
+                             "cannot start it")
         if self.world not in WORLDS:
             raise ValueError(f"world={self.world!r}; valid: {', '.join(WORLDS)}")
         bad = [a for a in self.arms if a not in ARMS]
@@ -112,6 +125,9 @@ def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
     from lemon.train.config import train_preset
     over = {"max_steps": exp.max_steps, "save_steps": exp.eval_every, "seed": seed, "train_questions": exp.train_questions,
             "benchmarks": tuple(world.config.benchmark_type), **ARMS[arm], **dict(exp.train_overrides)}
+    if exp.base == "random-tiny":
+        from lemon.policy.model import PolicyConfig, cached_random_policy
+        over["policy"] = PolicyConfig(model=str(cached_random_policy(seed)), **RANDOM_TINY)
     cfg = train_preset(exp.profile, **over)
     worst = world.worst_tokens(cfg.max_agents)
     caps = {c: max(int(cfg.worker_max_tokens.get(c, 0)), n) for c, n in world.worker_max_tokens().items()}
@@ -161,10 +177,20 @@ def read_run_info(run_dir: Path) -> tuple[dict, RewardConfig, int, ExecutorCaps]
     return info, RewardConfig(**info["reward"]), info["max_agents"], ExecutorCaps(**info["caps"])
 
 
+def read_text(path: Path) -> str | None:
+    """A file's text, or its gzipped copy's (`<path>.gz`, as outputs/reference/ keeps large records); None if neither."""
+    path, gz = Path(path), Path(str(path) + ".gz")
+    if path.exists():
+        return path.read_text()
+    if gz.exists():
+        import gzip
+        return gzip.decompress(gz.read_bytes()).decode()
+    return None
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    if not Path(path).exists():
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    text = read_text(path)
+    return [json.loads(line) for line in text.splitlines() if line.strip()] if text else []
 
 
 def score_rows(rows: list[dict], world: SimWorld, run_dir: Path) -> pd.DataFrame:
@@ -228,8 +254,8 @@ def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prom
     from lemon.benchmarks import get_benchmark
     from lemon.eval.orchestrator import orchestrator_messages
     from lemon.train.pipeline import checkpoints
-    from lemon.train.policy import load_policy
-    from lemon.train.rollout import GrammarConstraint, sample_specs
+    from lemon.policy.model import load_policy
+    from lemon.policy.rollout import GrammarConstraint, sample_specs
     run_dir = Path(run_dir)
     _, heldout = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
     domains = [get_benchmark(e.benchmark).domain for e in heldout]

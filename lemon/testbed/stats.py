@@ -122,3 +122,68 @@ def composition(samples: pd.DataFrame, steps: int = 2) -> pd.DataFrame:
                         "final_large_solver": ((v["final_role"] == "solver") & (v["final_capacity"] == "large")).mean(),
                         "distinct_shapes": len(shapes) / max(len(v), 1), "expected_reward": part["expected_reward"].mean()})
     return pd.DataFrame(out)
+
+
+# ---- paired tests across seeds (issue 30; scipy is not a dependency, so the exact null distributions are computed here) --
+def sign_test(diffs) -> float:
+    """Two-sided exact sign test of paired differences: p = P(|#pos - n/2| >= observed) under Binomial(n, 1/2), zero
+    differences dropped (the usual convention). 1.0 when every difference is zero."""
+    d = [x for x in diffs if x != 0]
+    n, k = len(d), sum(x > 0 for x in d)
+    if n == 0:
+        return 1.0
+    from math import comb
+    tail = sum(comb(n, i) for i in range(0, min(k, n - k) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def wilcoxon_signed_rank(diffs, tol: float = 1e-12) -> tuple[float, float]:
+    """Two-sided exact Wilcoxon signed-rank test: (W+, p). Zeros dropped (Wilcoxon's convention); tied |d| get mid-ranks
+    and the null distribution is enumerated exactly over the 2^n sign assignments of THOSE ranks (a DP over doubled ranks,
+    so ties stay exact). p = P(|W+ - E W+| >= |observed - E W+|). (nan, 1.0) when every difference is zero."""
+    d = np.asarray([x for x in diffs if abs(x) > tol], dtype=float)
+    n = len(d)
+    if n == 0:
+        return float("nan"), 1.0
+    a = np.abs(d)
+    order = np.argsort(a, kind="mergesort")
+    ranks = np.empty(n)
+    i = 0
+    while i < n:  # mid-ranks for |d| tied within tol
+        j = i
+        while j + 1 < n and abs(a[order[j + 1]] - a[order[i]]) <= tol:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    r2 = (2 * ranks).round().astype(int)  # doubled ranks are integers
+    w_plus2 = int(r2[d > 0].sum())
+    dist = np.zeros(int(r2.sum()) + 1)
+    dist[0] = 1.0
+    for r in r2:  # null: each rank's sign is + or - with probability 1/2
+        dist = dist / 2 + np.concatenate([np.zeros(r), dist[:-r]]) / 2 if r else dist
+    mean2 = r2.sum() / 2
+    support = np.arange(len(dist))
+    p = float(dist[np.abs(support - mean2) >= abs(w_plus2 - mean2) - 1e-9].sum())
+    return w_plus2 / 2, min(1.0, p)
+
+
+def holm(pvalues) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (step-down, monotone), in the input order."""
+    p = np.asarray(pvalues, dtype=float)
+    m = len(p)
+    out, running = np.empty(m), 0.0
+    for rank, i in enumerate(np.argsort(p, kind="mergesort")):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        out[i] = running
+    return out.tolist()
+
+
+def paired_effect(diffs, lower_is_better: bool = True) -> dict:
+    """Of paired differences (arm minus reference, one per seed): the mean with its bootstrap CI, Cohen's d_z (mean / sd of
+    the differences; nan for < 2 values or sd 0), how many seeds favour the arm / the reference / tie, both tests' p."""
+    d = np.asarray(list(diffs), dtype=float)
+    sd = d.std(ddof=1) if len(d) > 1 else float("nan")
+    w, p_w = wilcoxon_signed_rank(d)
+    return {"n": len(d), "diff": float(d.mean()) if len(d) else float("nan"), "diff_ci": bootstrap_ci(d),
+            "dz": float(d.mean() / sd) if sd and sd == sd else float("nan"), "arm_better": int(((d < 0) if lower_is_better else (d > 0)).sum()),
+            "ref_better": int(((d > 0) if lower_is_better else (d < 0)).sum()), "ties": int((d == 0).sum()), "p_sign": sign_test(d), "W+": w, "p_wilcoxon": p_w}

@@ -8,9 +8,9 @@ from pathlib import Path
 from lemon.spec import MAX_AGENTS
 from lemon.spec.grammar import SpecGrammar
 from lemon.spec.schema import DUTY_CHARS, ROLE_CHARS
-from lemon.train.dtype import SAMPLING_DTYPES
+from lemon.policy.dtype import SAMPLING_DTYPES
 from lemon.train.edits import FAMILIES
-from lemon.train.policy import PolicyConfig
+from lemon.policy.model import PolicyConfig
 from lemon.train.rewards import RewardConfig
 from lemon.train.sft import SFTConfig
 
@@ -110,10 +110,16 @@ class TrainConfig:
     """Prefer training questions whose groups had reward spread (labels from training executions)."""
     worker_seed_per_step: bool = False
     """A fresh worker seed each step (the testbed's simulated workers); False = the run seed always (greedy real workers)."""
+    deterministic_workers: bool = False
+    """Score rollouts and their edits on llama-server workers in deterministic mode (ServerConfig.deterministic: one request
+    in flight per server, prompt cache off), so a spec's reward and its CF delta do not depend on what else is in flight
+    (issue 30: 11 of 20 identical greedy requests flipped at 8 in flight, 0 of 20 in this mode, LOG.md 2026-12-05). On by
+    default in the llama-server presets (smoke, cpu); costs batching throughput (1.8x slower in that bench on 2 busy
+    cores). Only for llama-server workers: build_pool refuses it for any other backend rather than skip it."""
     rollout_concurrency: int = 8
     """Spec executions in flight at once (workers bound it further by their own slots)."""
     sample_dtype: str = "auto"
-    """How rollouts are sampled (lemon.train.dtype): 'auto' (a bf16 copy on a native-bf16 CPU), 'model', 'bf16_copy', 'autocast_bf16'."""
+    """How rollouts are sampled (lemon.policy.dtype): 'auto' (a bf16 copy on a native-bf16 CPU), 'model', 'bf16_copy', 'autocast_bf16'."""
     train_dtype: str = "auto"
     """Loss forward/backward: 'auto' (bf16 autocast where the CPU supports it, fp32 otherwise; CUDA: bf16), 'fp32', 'bf16'."""
     gradient_checkpointing: bool = False
@@ -189,14 +195,14 @@ def train_preset(profile: str, **overrides) -> TrainConfig:
                      policy=PolicyConfig(model="smollm2-135m", lora_r=8, lora_alpha=16),
                      workers={c: {"backend": "llama_cpp", "model": "smollm2-135m"} for c in ("small", "medium", "large")},
                      train_questions=2, num_generations=2, batch_size=2, max_steps=2, save_steps=1,
-                     learning_rate=1e-4, temperature=1.0, curriculum=False)
+                     learning_rate=1e-4, temperature=1.0, curriculum=False, deterministic_workers=True)
     elif profile == "cpu":
         # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, 2 questions x G=4 per step. The math
         # pools run easiest first (round-robin MultiArith, SVAMP, GSM8K) and a flat group gets two more draws: on GSM8K
         # alone with one redraw, half the groups were all-fail under the gated reward (LOG.md, 2026-12-01 session 7).
         cfg = _sized("cpu", 4, {"small": 192, "medium": 256, "large": 320}, benchmarks=("multiarith", "svamp", "gsm8k"),
                      train_questions=64, num_generations=4, batch_size=8, micro_batch=4, max_steps=8,
-                     learning_rate=2e-5, resample=2)
+                     learning_rate=2e-5, resample=2, deterministic_workers=True)
     elif profile == "paper":
         # One GPU with internet: Qwen2.5-7B policy via Unsloth; one vLLM server per capacity (scripts/vllm_workers.sh),
         # workers and reply caps read from PAPER_WORKERS (edit its base_urls, or pass `lemon train --workers`). Paper: G=4,

@@ -1,6 +1,6 @@
 """Counterfactual edits of a spec (paper §3.3) and the adaptive family sampler.
 
-Three families, each changing exactly ONE field value of one agent:
+Three families (REGISTRY below: one EditFamily record each), each changing exactly ONE field value of one agent:
   m_E "edge":     drop one dependency edge (child no longer reads parent);
   m_R "role":     roll one agent's customized duty back to its base role's default duty (from the prompts file);
   m_L "capacity": lower one agent's capacity one level (large -> medium -> small).
@@ -22,14 +22,13 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import yaml
 
 from lemon.prompts import CAPACITIES, Prompts
 from lemon.spec import Span, Spec, SpecError, extract_yaml, parse_spec
 
-FAMILIES = ("edge", "role", "capacity")  # m_E, m_R, m_L
 
 
 class EditError(ValueError):
@@ -48,23 +47,12 @@ class Edit:
 
 
 def eligible_sites(spec: Spec, family: str, prompts: Prompts) -> list[tuple[str, ...]]:
-    """Sites where `family` changes what is executed. ValueError for an unknown family; EditError when a base role of the
-    spec has no default duty in `prompts` (m_R has nothing to roll back to)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown edit family {family!r}; valid: {', '.join(FAMILIES)}")
+    """Sites where `family` changes what is executed. ValueError for an unknown family; EditError when the family cannot
+    read the spec (m_R: a base role with no default duty in `prompts`)."""
+    if family not in REGISTRY:
+        raise ValueError(f"unknown edit family {family!r}; valid: {', '.join(REGISTRY)}")
     dead = set(spec.unreachable())
-    live = [a for a in spec.agents if a.id not in dead]
-    if family == "edge":
-        return [(a.id, d) for a in live for d in a.depends_on]
-    if family == "role":
-        defaults = prompts.roles_for(None)
-        missing = sorted({a.base_role for a in live} - set(defaults))
-        if missing:  # parsed with a base-role list other than this prompts file's
-            raise EditError(f"base roles {missing} have no default duty in the prompts file {prompts.path or '(packaged)'}; "
-                            "parse the spec with base_roles=prompts.roles_for(domain)")
-        return [(a.id,) for a in live if a.duty != defaults[a.base_role]]
-    return [(a.id,) for a in live if a.capacity != CAPACITIES[0]]
-
+    return REGISTRY[family].sites(spec, [a for a in spec.agents if a.id not in dead], prompts)
 
 # YAML reads these inside a double-quoted scalar as line breaks (folded) or refuses them outright, and JSON leaves them raw
 _YAML_UNSAFE = re.compile("[^\x09\x0A\x0D\x20-\x7E\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]|[\x85\u2028\u2029\uFEFF]")
@@ -116,24 +104,73 @@ def _key_colon(text: str, value_start: int, agent_index: int) -> int:
     return off + i
 
 
-def _rewrite(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts) -> tuple[Span, Span, str, object]:
-    """(span of the edited value, replaced region, replacement text, expected edited agent)."""
-    i = spec.index(site[0])
+# ---- the families: one record each (adding a family = one EditFamily in REGISTRY; tests/test_edits.py adds a toy one) ----
+@dataclass(frozen=True)
+class EditFamily:
+    """One counterfactual edit family: what the trainer, the plots and the spec inspector need to know of it."""
+
+    name: str
+    """Its key in configs (cf_families), metrics (cf/delta_<name>) and records."""
+    label: str
+    """How plots name it: the paper's symbol and what it does."""
+    sites: Callable[[Spec, list, Prompts], list]
+    """(spec, its live agents, prompts) -> the sites (tuples of agent ids) where the edit changes what is executed."""
+    rewrite: Callable[[Spec, int, tuple, Prompts], tuple]
+    """(spec, index of the site's agent, site, prompts) -> (span of the edited value, replaced region, replacement text,
+    the expected edited agent); apply_edit re-parses and checks the result."""
+    describe: Callable[[Spec, tuple], str]
+    """(spec, site) -> what the edit does there, for the inspector ("drop a1 → a2")."""
+
+
+def _edge_sites(spec: Spec, live: list, prompts: Prompts) -> list[tuple[str, ...]]:
+    return [(a.id, d) for a in live for d in a.depends_on]
+
+
+def _role_sites(spec: Spec, live: list, prompts: Prompts) -> list[tuple[str, ...]]:
+    defaults = prompts.roles_for(None)
+    missing = sorted({a.base_role for a in live} - set(defaults))
+    if missing:  # parsed with a base-role list other than this prompts file's
+        raise EditError(f"base roles {missing} have no default duty in the prompts file {prompts.path or '(packaged)'}; "
+                        "parse the spec with base_roles=prompts.roles_for(domain)")
+    return [(a.id,) for a in live if a.duty != defaults[a.base_role]]
+
+
+def _capacity_sites(spec: Spec, live: list, prompts: Prompts) -> list[tuple[str, ...]]:
+    return [(a.id,) for a in live if a.capacity != CAPACITIES[0]]
+
+
+def _edge_rewrite(spec: Spec, i: int, site: tuple[str, ...], prompts: Prompts):
     a, sp, t = spec.agents[i], spec.spans[i], spec.text
-    if family == "role":
-        new = prompts.default_duty(a.base_role)
-        return sp.duty, sp.duty, double_quoted(new), dataclasses.replace(a, duty=new)
-    if family == "capacity":
-        new = CAPACITIES[CAPACITIES.index(a.capacity) - 1]
-        q = t[sp.capacity[0]]
-        written = f"{q}{new}{q}" if q in "\"'" else new  # keep the quoting: either form is valid where the old one was
-        return sp.capacity, sp.capacity, written, dataclasses.replace(a, capacity=new)
     j = a.depends_on.index(site[1])
     rest = tuple(d for d in a.depends_on if d != site[1])
     colon = _key_colon(t, sp.depends_on[0], i)
     # ` [..]` right after the colon is valid after every list style the parser accepts; the old list is dropped whole
     written = " [" + ", ".join(double_quoted(d) for d in rest) + "]"
     return sp.deps[j], (colon + 1, sp.depends_on[1]), written, dataclasses.replace(a, depends_on=rest)
+
+
+def _role_rewrite(spec: Spec, i: int, site: tuple[str, ...], prompts: Prompts):
+    a, sp = spec.agents[i], spec.spans[i]
+    new = prompts.default_duty(a.base_role)
+    return sp.duty, sp.duty, double_quoted(new), dataclasses.replace(a, duty=new)
+
+
+def _capacity_rewrite(spec: Spec, i: int, site: tuple[str, ...], prompts: Prompts):
+    a, sp = spec.agents[i], spec.spans[i]
+    new = CAPACITIES[CAPACITIES.index(a.capacity) - 1]
+    q = spec.text[sp.capacity[0]]
+    written = f"{q}{new}{q}" if q in "\"'" else new  # keep the quoting: either form is valid where the old one was
+    return sp.capacity, sp.capacity, written, dataclasses.replace(a, capacity=new)
+
+
+REGISTRY: dict[str, EditFamily] = {f.name: f for f in (
+    EditFamily("edge", "m_E (drop edge)", _edge_sites, _edge_rewrite, lambda spec, s: f"drop {s[1]} → {s[0]}"),
+    EditFamily("role", "m_R (duty -> base role)", _role_sites, _role_rewrite,
+               lambda spec, s: f"{s[0]}: duty → {spec.agent(s[0]).base_role} default"),
+    EditFamily("capacity", "m_L (capacity -1)", _capacity_sites, _capacity_rewrite,
+               lambda spec, s: f"{s[0]} (now {spec.agent(s[0]).capacity})"),
+)}
+FAMILIES = tuple(REGISTRY)  # m_E, m_R, m_L: the order of every table and config default
 
 
 def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts) -> Edit:
@@ -143,7 +180,7 @@ def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts)
         raise EditError("apply_edit needs a spec parsed from text (it edits the text and reports spans in it)")
     if site not in eligible_sites(spec, family, prompts):
         raise EditError(f"site {site} is not eligible for {family!r} in this spec")
-    span, (r0, r1), written, want = _rewrite(spec, family, site, prompts)
+    span, (r0, r1), written, want = REGISTRY[family].rewrite(spec, spec.index(site[0]), site, prompts)
     text = spec.text[:r0] + written + spec.text[r1:]
     where = f"{family} edit at {'>'.join(site)}"
     try:
@@ -159,14 +196,14 @@ def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts)
 
 
 def sample_edit(spec: Spec, prompts: Prompts, rng: random.Random, family_probs: Mapping[str, float] | None = None,
-                families: Sequence[str] = FAMILIES) -> Edit | None:
+                families: Sequence[str] | None = None) -> Edit | None:
     """Choose a family among `families` (the allowed ones) that have an eligible site, with weights `family_probs`
     (missing families weigh 0; all-zero weights: uniform over those allowed families), then a site uniformly.
     Returns None when no allowed family has an eligible site (that rollout gets no counterfactual term).
     Never returns an edit of a family outside `families`. Raises EditError when the chosen edit cannot be applied (and
     ValueError for bad arguments); nothing else."""
-    fams = tuple(families)
-    bad = [f for f in fams if f not in FAMILIES]
+    fams = tuple(FAMILIES if families is None else families)
+    bad = [f for f in fams if f not in REGISTRY]
     if not fams or bad:
         raise ValueError(f"families must be a non-empty subset of {FAMILIES}; got {fams}")
     sites = {f: eligible_sites(spec, f, prompts) for f in fams}
@@ -193,8 +230,9 @@ class FamilySampler:
     history: dict[str, list[float]] = field(default_factory=lambda: {f: [] for f in FAMILIES})
 
     def __post_init__(self):
-        if not 0 <= self.floor <= 1 / len(FAMILIES):
-            raise ValueError(f"floor={self.floor} must be in [0, 1/{len(FAMILIES)}] so the probabilities can sum to 1")
+        k = len(self.history)
+        if not 0 <= self.floor <= 1 / max(k, 1):
+            raise ValueError(f"floor={self.floor} must be in [0, 1/{k}] so the probabilities can sum to 1")
         if self.window < 1:
             raise ValueError("window must be >= 1")
 
@@ -204,10 +242,10 @@ class FamilySampler:
     def probs(self) -> dict[str, float]:
         m = self.means()
         total = sum(m.values())
-        k = len(FAMILIES)
+        k = len(m)
         if total <= 0:
-            return {f: 1 / k for f in FAMILIES}
-        return {f: self.floor + (1 - k * self.floor) * m[f] / total for f in FAMILIES}
+            return {f: 1 / k for f in m}
+        return {f: self.floor + (1 - k * self.floor) * m[f] / total for f in m}
 
     def update(self, family: str, delta: float) -> None:
         h = self.history[family]

@@ -23,8 +23,8 @@ from pathlib import Path
 from torch.utils.data import Sampler
 
 from lemon.train.edits import FamilySampler
-from lemon.train.dtype import SamplingCopy, merged_copy
-from lemon.train.rollout import GrammarConstraint, sample_specs
+from lemon.policy.dtype import SamplingCopy, merged_copy
+from lemon.policy.rollout import GrammarConstraint, sample_specs
 from lemon.train.scoring import Rollout, SpecScorer
 
 
@@ -122,12 +122,12 @@ class SpecRollouts:
         if self.grammars is not None:  # one grammar per prompt: its domain's base roles
             constraint = GrammarConstraint(tuple(self.grammars[e] for e in eids), self.grammar_cache)
         dtype = self.sample_dtype
-        if dtype == "bf16_copy":  # sample a bf16 copy kept in step with the trained (fp32) LoRA weights: lemon.train.dtype
+        if dtype == "bf16_copy":  # sample a bf16 copy kept in step with the trained (fp32) LoRA weights: lemon.policy.dtype
             if self._shadow is None:
                 import torch
                 self._shadow = SamplingCopy(model, torch.bfloat16)
             model, dtype = self._shadow.sync(model), "model"
-        elif dtype == "bf16_merged":  # a merged bf16 copy: no LoRA overhead per decoding step (lemon.train.dtype)
+        elif dtype == "bf16_merged":  # a merged bf16 copy: no LoRA overhead per decoding step (lemon.policy.dtype)
             if self._merged is None:  # once per step: a resampling attempt reuses it (__call__ frees it)
                 import torch
                 self._merged = merged_copy(model, torch.bfloat16)

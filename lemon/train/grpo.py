@@ -4,7 +4,7 @@ reward contrast put on the edited span's tokens only.
 
 One step, in the order it runs:
 1. TRL hands `SpecRollouts` (its `rollout_func`) the step's prompts: Q questions, each repeated G times in a row.
-2. `SpecRollouts` samples G specs per question (lemon.train.rollout.sample_specs), scores them (lemon.train.scoring:
+2. `SpecRollouts` samples G specs per question (lemon.policy.rollout.sample_specs), scores them (lemon.train.scoring:
    parse, execute, reward), and resamples up to `resample` times every group whose rewards have no spread (DAPO-style dynamic
    sampling: such a group has no global GRPO gradient). Then it adds one counterfactual per valid rollout and writes every
    rollout to rollouts.jsonl.
@@ -22,6 +22,7 @@ when unsloth is imported, so on CUDA we must import unsloth first and subclass w
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -63,6 +64,34 @@ def check_trl_cpu(version: str | None = None) -> None:
     if parts < CPU_MIN_TRL:
         raise ImportError(f"trl {v} cannot run the GRPO loss on a CPU (its fused LM head needs Triton on CUDA); CPU training "
                           f"needs trl >= {'.'.join(map(str, CPU_MIN_TRL))} (requirements.txt, scripts/setup.sh)")
+
+
+@contextlib.contextmanager
+def completion_only_lm_head():
+    """Score only the completion tokens in trl's chunked LM head on a CPU, as it already does on CUDA.
+
+    trl 1.16 (trl/trainer/utils.py, add_fused_lm_head's `_fused_forward`) scores just the labelled positions where Triton
+    runs (`compact = _use_triton(device)`) and EVERY position elsewhere, because a changing number of positions would
+    recompile the tiles on Neuron. On a CPU that means the 49k-vocabulary log-softmax, forward and backward, over the whole
+    orchestrator prompt (~85% of each sequence), whose labels are -100 and whose results are thrown away. Measured on the
+    testbed's 2-layer policy (2-core AVX2): 6.9 s of a 14 s step in the head's backward (LOG.md 2026-12-05). Per-position
+    log-probs do not depend on which other positions are scored, so the compact path gives the same loss and gradients
+    (tests/test_cf_trainer.py checks both against the full path). Only the name `_use_triton` inside trl.trainer.utils is
+    swapped (the kernels keep their own), for the duration of the block; a trl without it is left alone."""
+    try:
+        import trl.trainer.utils as U
+    except ImportError:
+        yield False
+        return
+    real = getattr(U, "_use_triton", None)
+    if real is None:
+        yield False
+        return
+    U._use_triton = lambda device: True if torch.device(device).type == "cpu" else real(device)
+    try:
+        yield True
+    finally:
+        U._use_triton = real
 
 
 class CFGRPOMixin:

@@ -13,7 +13,7 @@ from lemon.train.edits import FamilySampler
 from lemon.run.executor import ExecutorCaps, NodeCache
 from lemon.manifest import build_manifest, write_json
 from lemon.eval.orchestrator import orchestrator_messages
-from lemon.train.policy import load_policy, resolve_backend
+from lemon.policy.model import load_policy, resolve_backend
 from lemon.progress import text_mode
 from lemon.prompts import Prompts
 from lemon.train.sft import SFTConfig
@@ -35,10 +35,19 @@ def training_examples(cfg: TrainConfig) -> list:
 
 
 def build_pool(cfg: TrainConfig):
-    from lemon.run.workers import WorkerPool
-    if cfg.workers:
-        return WorkerPool.from_config({**cfg.workers, "max_tokens": dict(cfg.worker_max_tokens)})
-    return WorkerPool.embedded_default(max_tokens=dict(cfg.worker_max_tokens))
+    from lemon.run.servers import ServerConfig
+    from lemon.run.workers import SERVER_BACKENDS, WorkerPool
+    if not cfg.workers:
+        return WorkerPool.embedded_default(max_tokens=dict(cfg.worker_max_tokens),
+                                           server=ServerConfig(deterministic=cfg.deterministic_workers))
+    workers = dict(cfg.workers)
+    if cfg.deterministic_workers:
+        other = sorted(c for c, e in workers.items() if e.get("backend") not in SERVER_BACKENDS)
+        if other:
+            raise ValueError(f"deterministic_workers=True applies to llama-server workers, but {other} use other backends "
+                             "(for vLLM, batch-invariant decoding is the server's own setting): turn it off or change them")
+        workers = {c: {**e, "deterministic": True} for c, e in workers.items()}
+    return WorkerPool.from_config({**workers, "max_tokens": dict(cfg.worker_max_tokens)})
 
 
 def checkpoint_step(p: Path) -> int:
@@ -185,14 +194,14 @@ def sample_dtype_for(cfg: TrainConfig) -> str:
     decided; resolving against model.device picked a merged bf16 deep copy of the whole policy per step on a GPU host
     with a native-bf16 CPU (issue 29, finding 6). On CUDA the bf16 policy samples as it is."""
     import torch
-    from lemon.train.dtype import resolve_sample_dtype
+    from lemon.policy.dtype import resolve_sample_dtype
     return resolve_sample_dtype(cfg.sample_dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str):
     """TRL's GRPOConfig for this run, of the class `backend`'s trainer expects (lemon.train.grpo.config_class)."""
     import torch
-    from lemon.train.dtype import cpu_bf16_native
+    from lemon.policy.dtype import cpu_bf16_native
     from lemon.train.grpo import config_class
     from lemon.train.grpo import check_trl_cpu
     GRPOConfig = config_class(backend)
@@ -215,7 +224,7 @@ def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str
 
 def _fit(trainer, rollouts, cfg: TrainConfig, out: Path, tok, init_adapter, bf16: bool, progress: bool) -> dict:
     """Train (resuming from the latest checkpoint), save the adapter and train.json."""
-    from lemon.train.grpo import CFStateCallback, load_cf_state
+    from lemon.train.grpo import CFStateCallback, completion_only_lm_head, load_cf_state
     trainer.add_callback(CFStateCallback(rollouts, out / "metrics.jsonl", verbose=progress))
     if text_mode():  # headless: the callback's one line per step replaces the Trainer's dump of every logged key
         from transformers.trainer_callback import PrinterCallback
@@ -227,7 +236,8 @@ def _fit(trainer, rollouts, cfg: TrainConfig, out: Path, tok, init_adapter, bf16
     done_step = checkpoint_step(ckpt) if ckpt is not None else 0
     for name in ("rollouts.jsonl", "metrics.jsonl"):
         _truncate_rows(out / name, done_step)
-    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+    with completion_only_lm_head():  # the prompt's positions are not scored on a CPU either (its docstring)
+        trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
     trainer.model.save_pretrained(out / "adapter")
     tok.save_pretrained(out / "adapter")
     (out / "cf_sampler.json").write_text(json.dumps(rollouts.state_dict()))

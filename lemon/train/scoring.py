@@ -87,8 +87,9 @@ class SpecScorer:
         self.reward_cfg, self.caps, self.cache, self.sampler = reward, caps, cache, sampler
         self.cf_lambda, self.families, self.max_agents, self.seed = cf_lambda, tuple(families), max_agents, seed
         self.concurrency = max(1, int(concurrency))
-        # False: every execution runs with the run seed (greedy real workers are deterministic anyway, and the node cache
-        # then reuses work across steps). True: a fresh worker seed per step, so a simulated (or sampling) worker cannot
+        # False: every execution runs with the run seed (the node cache then reuses work across steps). Greedy llama-server
+        # workers are NOT deterministic under batching (11 of 20 repeats flipped at 8 in flight, bench/flip_rate.py): the
+        # pool must come from TrainConfig.deterministic_workers for a reward not to depend on what else is in flight. True: a fresh worker seed per step, so a simulated (or sampling) worker cannot
         # hand a spec the same lucky draw at every step; a counterfactual always uses its own step's seed.
         self.worker_seed_per_step = worker_seed_per_step
 

@@ -1,7 +1,7 @@
 """Where Unsloth's patches change what lemon's code sees, and how lemon copes. Read from unsloth / unsloth_zoo 2026.10.9
 (the pin in requirements-gpu.txt; also the newest on PyPI when this was written) and unsloth 2025.9.1.
 
-Sampling (lemon.train.rollout.sample_specs prefills each prompt once and repeats its KV cache for the n samples):
+Sampling (lemon.policy.rollout.sample_specs prefills each prompt once and repeats its KV cache for the n samples):
 - Unsloth's forward returns a LEGACY TUPLE cache ((K, V) per layer; unsloth/models/llama.py LlamaModel_fast_forward builds
   `next_decoder_cache` as a tuple), which has no `batch_repeat_interleave`.
 - Unsloth's generate wrapper sets `cache_implementation`, which transformers refuses beside a caller's `past_key_values`
@@ -36,16 +36,6 @@ beta = 0; bnpo's local count and a beta > 0 KL term would still see them.
 from __future__ import annotations
 
 import torch
-
-
-def generate_is_unsloth(model) -> bool:
-    """model.generate is Unsloth's wrapper: both wrappers keep transformers' own as `_old_generate` (2026.10.9 llama.py
-    FastLlamaModel.from_pretrained, vision.py FastBaseModel.from_pretrained; 2025.9.1 likewise). A peft model forwards the
-    attribute lookup to the model it wraps."""
-    try:
-        return getattr(model, "_old_generate", None) is not None
-    except Exception:  # an exotic __getattr__: not Unsloth's
-        return False
 
 
 def is_unsloth_trainer(trainer) -> bool:
