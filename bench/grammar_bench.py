@@ -22,14 +22,12 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemon.prompts import default_prompts  # noqa: E402
-from lemon.spec import Agent, Spec, SpecError, parse_spec  # noqa: E402
-from lemon.spec.schema import clean_text  # noqa: E402
-from lemon.spec.grammar import GrammarCache, SpecGrammar  # noqa: E402
+from lemon.prompts import default_prompts
+from lemon.spec import Agent, Spec, SpecError, parse_spec
+from lemon.spec.schema import clean_text
+from lemon.spec.grammar import GrammarCache, SpecGrammar
 
 POLICY, SMALL = "qwen2.5-coder-0.5b", "smollm2-135m"
 

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def random_lora(model_name: str, scale: float, out: Path, r: int = 8) -> Path:

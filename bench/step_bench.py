@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemon.prompts import default_prompts  # noqa: E402
-from lemon.train.config import train_preset  # noqa: E402
-from lemon.train.pipeline import train  # noqa: E402
+from lemon.prompts import default_prompts
+from lemon.train.config import train_preset
+from lemon.train.pipeline import train
 
 
 def main(argv=None) -> int:

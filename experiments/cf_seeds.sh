@@ -28,7 +28,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 mkdir -p "$OUT"
 run() {  # world, arms..., then --seeds s
   local world=$1; shift
-  .venv/bin/python bench/testbed_run.py --world "$world" --out "$OUT/$world" "${COMMON[@]}" "$@"
+  .venv/bin/python experiments/testbed_run.py --world "$world" --out "$OUT/$world" "${COMMON[@]}" "$@"
 }
 chain() {
   for world in "$@"; do

@@ -7,12 +7,23 @@ import sys
 import threading
 from pathlib import Path
 
+from lemon import benchmarks as B
+from lemon.benchmarks import Example
+from lemon.eval.baselines import baseline_spec
+from lemon.eval.orchestrator import propose_spec
+from lemon.eval.runner import EvalConfig, run_eval
 from lemon.prompts import CAPACITIES, load_prompts
+from lemon.run.backends import BackendUnavailableError
+from lemon.run.executor import execute
+from lemon.run.workers import WorkerPool, load_worker_config
+from lemon.spec import parse_spec
+from lemon.study.config import train_sft_preset
+from lemon.study.profiles import parse_sets
+from lemon.train import pipeline  # called as pipeline.train / pipeline.warm_start (tests patch them there)
 
 
 def _pool(args, log_dir: Path | None = None):
     """--workers YAML, else the embedded default (one managed llama-server per shipped model, logs in `log_dir`)."""
-    from lemon.run.workers import WorkerPool, load_worker_config
     if args.workers:
         return WorkerPool.from_config(load_worker_config(args.workers), log_dir=log_dir)
     return WorkerPool.embedded_default(log_dir=log_dir)
@@ -25,7 +36,6 @@ def _sigterm_as_exit(signum, frame):
 
 
 def cmd_eval(args) -> int:
-    from lemon.eval.runner import EvalConfig, run_eval
     cfg = EvalConfig(method=args.method, benchmark=args.benchmark, split=args.split, limit=args.limit, seed=args.seed,
                      capacity=args.capacity, n_agents=args.n_agents, k=args.k)
     prompts = load_prompts(args.prompts)
@@ -42,12 +52,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from lemon import benchmarks as B
-    from lemon.eval.baselines import baseline_spec
-    from lemon.benchmarks import Example
-    from lemon.run.executor import execute
-    from lemon.eval.orchestrator import propose_spec
-    from lemon.spec import parse_spec
     bench = B.get_benchmark(args.benchmark)
     prompts = load_prompts(args.prompts)
     ex = Example(id="cli/0", benchmark=args.benchmark, split="cli", question=args.question, gold=args.gold or "", meta={})
@@ -77,33 +81,23 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from lemon.train.config import sft_preset, train_preset, workers_from_file
-    from lemon.train.pipeline import train, warm_start
-    over = {"cf_lambda": args.cf_lambda} if args.cf_lambda is not None else {}
+    # --set FIELD=VALUE is a TrainConfig field; sft.FIELD reaches the warm start (the same profiles and syntax as main.sh)
+    sets = {(k if k.startswith(("train.", "sft.")) else f"train.{k}"): v for k, v in parse_sets(args.set).items()}
+    if args.cf_lambda is not None:
+        sets["train.cf_lambda"] = args.cf_lambda
     if args.max_steps:
-        over["max_steps"] = args.max_steps
-    caps = None
-    if args.workers:
-        over["workers"], caps = workers_from_file(args.workers)
-        from lemon.run.workers import SERVER_BACKENDS
-        if any(e.get("backend") not in SERVER_BACKENDS for e in over["workers"].values()):
-            over["deterministic_workers"] = False
-            print(f"note: {args.workers} names workers that are not llama-servers: deterministic_workers is off (it "
-                  "applies to llama-server workers only)", file=sys.stderr)
-    cfg = train_preset(args.profile, seed=args.seed, **over)
-    if caps and caps != cfg.worker_max_tokens:
-        print(f"note: training caps worker replies at the {args.profile} profile's {cfg.worker_max_tokens} (they size its "
-              f"budgets), not {args.workers}'s max_tokens {caps}", file=sys.stderr)
+        sets["train.max_steps"] = args.max_steps
+    cfg, sft_cfg = train_sft_preset(args.profile, seed=args.seed, sets=sets, workers=args.workers)
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
     print(f"training config: {cfg}")
     init = None
     if not args.no_sft:
-        rec = warm_start(cfg, sft_preset(args.profile), out / "sft", prompts)
+        rec = pipeline.warm_start(cfg, sft_cfg, out / "sft", prompts)
         print(f"SFT warm start: {rec['rows']} corpus rows, valid rate {rec['valid_before']['rate']:.2f} -> "
               f"{rec['valid_after']['rate']:.2f} on {rec['valid_after']['n']} train questions")
         init = rec["adapter"]
-    res = train(cfg, out / "grpo_run", prompts, init_adapter=init)
+    res = pipeline.train(cfg, out / "grpo_run", prompts, init_adapter=init)
     logs = [h for h in res["history"] if "reward" in h]
     for h in logs:
         print(f"step {h['step']}: reward {h['reward']:.3f}  valid {h.get('spec/valid_rate', 0):.2f}  "
@@ -113,7 +107,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from lemon import benchmarks as B
     for name in B.BENCHMARKS:
         for split in B.available_splits(name):
             n = len(B.load(name, split))
@@ -156,7 +149,10 @@ def main(argv=None) -> int:
     r.set_defaults(fn=cmd_run)
 
     t = sub.add_parser("train", help="SFT warm start + CF-GRPO for a profile (resumable)")
-    t.add_argument("--profile", default="smoke", help="smoke | cpu | paper")
+    t.add_argument("--profile", default="smoke", help="a profile of configs/profiles.yaml (smoke, test, cpu, cpu-long, "
+                   "cpu-wide, paper): the same training as that profile's study")
+    t.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a TrainConfig field (sft.FIELD: the warm start's), e.g. --set learning_rate=2e-5")
     t.add_argument("--out", required=True)
     t.add_argument("--cf-lambda", type=float, help="override the CF weight (0 = plain GRPO)")
     t.add_argument("--max-steps", type=int)
@@ -175,7 +171,6 @@ def main(argv=None) -> int:
         p.error(f"--concurrency must be >= 1, got {args.concurrency}")
     if getattr(args, "capacity", "medium") not in CAPACITIES:
         p.error(f"unknown capacity {args.capacity!r}; valid: {', '.join(CAPACITIES)}")
-    from lemon.run.backends import BackendUnavailableError
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _sigterm_as_exit) if main_thread else None
     try:

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from lemon.run.models import SHIPPED, file_sha256
+from lemon.run.servers import build_info, find_binary
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "llguidance", "openai", "PyYAML")
 
@@ -35,7 +36,6 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[p] = "not installed"
     try:  # the workers' llama-server: setup.sh's build record (source sha256 + cmake flags), not a pip package
-        from lemon.run.servers import build_info, find_binary
         out["llama_server"] = build_info(find_binary()).get("key", "foreign binary (no setup.sh build record)")
     except Exception as e:  # noqa: BLE001 - a manifest must never fail for a missing optional binary
         out["llama_server"] = f"not found ({type(e).__name__})"

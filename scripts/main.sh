@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole study in one command: notebooks 01 -> 04 executed with papermill into outputs/<profile>-<timestamp>/.
 #   scripts/main.sh --profile test|smoke|cpu|cpu-long|cpu-wide|paper [--out DIR | --resume] [--seed N] [--quiet]
+#                   [--set FIELD=VALUE ...] [--workers FILE]
+# Profiles live in configs/profiles.yaml (what each answers, its models, what it took); --set overrides any StudyConfig
+# field for this run (train.FIELD / sft.FIELD reach the trainer / warm start), --workers replaces the profile's workers.
 # test: tests/test_notebooks.py's study (1 question per benchmark, ~4 min on 2 idle cores); smoke: the full-size smoke
 # study (2 questions on each of the 6 benchmarks, 9 methods, 3 trained variants; ~18 min on 2 lightly loaded cores).
 # An existing --out DIR (or --resume: the newest outputs/<profile>-*) is resumed: finished notebooks are skipped, training

@@ -1,4 +1,4 @@
-"""The real-worker CF vs global comparison's chain of legs (lemon.study.duel), fast, on fakes: which specs a policy writes
+"""The real-worker CF vs global comparison's chain of legs (experiments.duel.legs), fast, on fakes: which specs a policy writes
 and where, resumption, replaying recorded specs through the eval runner (no adapter), the report of a partial record
 (what is missing is listed with its command). The real legs are the measurement itself (outputs/reference/duel-*)."""
 import json
@@ -11,8 +11,8 @@ from lemon.eval.runner import read_rows
 from lemon.prompts import CAPACITIES, default_prompts
 from lemon.run.workers import FakeBackend, WorkerPool
 from lemon.spec import parse_spec
-from lemon.study import duel
-from lemon.study.duel_report import capacity_share, missing, report
+from experiments.duel import legs as duel
+from experiments.duel.report import capacity_share, missing, report
 
 SPEC = """agents:
   - id: a1
@@ -185,7 +185,7 @@ def test_a_record_folder_refuses_a_leg_with_another_config(tmp_path):
 
 def test_status_commands_carry_a_replicates_options(tmp_path):
     d = tiny(tmp_path, seed=1)
-    assert duel.cli(duel.DuelConfig()) == "bench/duel.py"
+    assert duel.cli(duel.DuelConfig()) == "experiments/duel/"
     cmd = duel.cli(d)
     assert "--seed 1" in cmd and "--steps 4" in cmd and f"--ref {d.ref}" in cmd and "--dev-steps '2'" in cmd
     assert any(f"`{cmd} train --arm cf`" in m for m in missing(d))

@@ -28,8 +28,8 @@ def test_notebook_shape(name):
         assert isinstance(stmt, ast.Assign), ast.dump(stmt)
         ast.literal_eval(stmt.value)
         names |= {t.id for t in stmt.targets}
-    assert names == {"profile", "out_dir", "seed"}
-    assert nb.cells[1] is code[1] and "study.setup(profile, out_dir, seed)" in code[1].source and "print(cfg.describe())" in code[1].source
+    assert names == {"profile", "out_dir", "seed", "sets", "workers"}
+    assert nb.cells[1] is code[1] and "study.setup(profile, out_dir, seed, sets, workers)" in code[1].source and "print(cfg.describe())" in code[1].source
     for c in code:  # logic lives in lemon/, not in the notebooks
         tree = ast.parse("\n".join(l for l in c.source.splitlines() if not l.lstrip().startswith(("%", "!"))))
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))], c.source

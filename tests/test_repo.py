@@ -1,5 +1,6 @@
 """The repo keeps its promises: README's test command is what CI runs; CPU torch is pinned; big things stay out of git;
-imports point down the stages (spec, run, benchmarks, policy, eval, train, study, testbed) with no cycle."""
+imports point down the stages (spec, run, benchmarks, policy, eval, train, study, testbed) with no cycle, and lemon's own
+imports sit at the top of a module unless one is marked `# lazy: <why>` (a heavy optional dependency)."""
 import re
 from pathlib import Path
 
@@ -111,6 +112,26 @@ def test_import_graph_checker_sees_an_upward_import_and_a_cycle(tmp_path, monkey
     with pytest.raises(AssertionError, match=r"import cycles:\n\s*lemon\.train\.a -> lemon\.train\.b -> lemon\.train\.a"):
         test_no_import_points_up_a_stage_and_no_cycle()
 
+
+def test_own_imports_are_at_the_top_unless_marked_lazy():
+    """Issue 31: an import of a lemon module inside a function needs a reason on its line, `# lazy: <why>` (it would pull
+    torch, transformers or matplotlib into every importer); otherwise it belongs at the top of the module."""
+    import ast
+    unmarked = []
+    for f in sorted((ROOT / "lemon").rglob("*.py")):
+        text = f.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                own = (isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] == "lemon")
+                       or isinstance(node, ast.Import) and any(a.name.split(".")[0] == "lemon" for a in node.names))
+                if own and not any("# lazy:" in line for line in lines[node.lineno - 1:node.end_lineno]):
+                    unmarked.append(f"{f.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    unmarked = list(dict.fromkeys(unmarked))  # a nested function's import is seen from each enclosing function
+    assert not unmarked, ("imports of lemon modules inside functions: move them to the top of the module, or say why one "
+                          "must stay lazy with `# lazy: <why>` on its line:\n" + "\n".join(unmarked))
 
 def test_readme_is_short_and_its_links_resolve():
     """Issue 31: README stays scannable (<= 1,000 words) and every relative link in it (records, LOG, docs) exists."""

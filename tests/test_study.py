@@ -135,7 +135,7 @@ def _fake_papermill(monkeypatch, fail_in=None, dead_in=None):
 
     def fake(src, dst, parameters=None, kernel_name=None, **kw):
         calls.append(Path(src).stem)
-        assert kernel_name == "python3" and set(parameters) == {"profile", "out_dir", "seed"}
+        assert kernel_name == "python3" and set(parameters) == {"profile", "out_dir", "seed", "sets", "workers"}
         if Path(src).stem == fail_in:
             raise PapermillExecutionError(3, 4, "x = 1/0", "ZeroDivisionError", "division by zero", [])
         if Path(src).stem == dead_in:

@@ -304,7 +304,7 @@ def test_aggregation_and_report(tmp_path):
 
 
 def test_experiment_record_merges_invocations_of_one_config_and_refuses_another(tmp_path):
-    """One folder filled arm by arm (bench/testbed_chain.sh): experiment.json keeps one record whose arms and seeds are the
+    """One folder filled arm by arm (experiments/testbed_chain.sh): experiment.json keeps one record whose arms and seeds are the
     union and whose commands are all kept, in order; a different budget in the same folder is refused by name."""
     caps = ExecutorCaps(max_agents=4)
     base = ExperimentConfig(world="two", arms=("cf", "global"), seeds=(0, 1), max_steps=3)

@@ -5,7 +5,7 @@ expected reward (lemon.testbed.exact), so the one source of noise left is the po
 
 Slow (~17 min on 2 idle cores): the format SFT warm start (~7 min; lemon.testbed.warm), 5 CF-GRPO steps of 2 questions x
 G=4 (~90 s each) and two greedy held-out passes. The same configuration, run for 10 steps with 3 seeds per arm, is the reference
-comparison in outputs/reference/testbed-tiny-20261202/ (bench/testbed_run.py; its README names the command).
+comparison in outputs/reference/testbed-tiny-20261202/ (experiments/testbed_run.py; its README names the command).
 """
 from dataclasses import replace
 

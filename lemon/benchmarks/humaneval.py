@@ -22,6 +22,8 @@ import textwrap
 import uuid
 from typing import Any
 
+from lemon.run.sandbox import SandboxLimits, run_python
+
 from .data import Example
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -81,8 +83,6 @@ def build_program(example: Example, completion: str, sentinel: str) -> str:
 
 def run_humaneval(example: Example, completion: str, limits: Any = None) -> Any:
     """Run the assembled program in the sandbox; returns the ``SandboxResult``."""
-    from lemon.run.sandbox import SandboxLimits, run_python  # lazy: written separately
-
     if limits is None:
         limits = SandboxLimits(timeout_s=DEFAULT_TIMEOUT_S)
     sentinel = f"__LEMON_HUMANEVAL_PASSED_{uuid.uuid4().hex}__"

@@ -8,6 +8,7 @@ from typing import Any
 
 from .answers import extract_letter, extract_number, numbers_match
 from .data import Example, check_name, load
+from .humaneval import extract_code, score_humaneval
 from .records import RECORDS, BenchmarkRecord
 
 NUMBER_CONVENTION = (
@@ -49,7 +50,6 @@ class Benchmark:
             options = example.meta.get("options", ()) if example is not None else ()
             return extract_letter(text, options, self.letters)
         if self.kind == "code":
-            from .humaneval import extract_code
             if not text or not str(text).strip():
                 return None
             entry = example.meta.get("entry_point") if example is not None else None
@@ -66,7 +66,6 @@ class Benchmark:
             raise ValueError(f"example {example.id!r} belongs to {example.benchmark!r}, "
                              f"not {self.name!r}")
         if self.kind == "code":
-            from .humaneval import score_humaneval
             return score_humaneval(example, text or "", kw.get("limits"))
         pred = self.extract_answer(text, example)
         if pred is None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lemon.policy.rollout import GrammarConstraint, sample_specs
 from lemon.prompts import Prompts
 from lemon.spec import MAX_AGENTS, Spec, SpecError, json_schema, parse_spec
+from lemon.spec.grammar import GrammarCache, SpecGrammar
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,9 @@ class PolicySpecWriter:
         self._grammar_cache = None
 
     def propose(self, task: str, domain: str, prompts: Prompts, seed: int = 0) -> SpecProposal:
-        from lemon.policy.rollout import GrammarConstraint, sample_specs
         msgs = orchestrator_messages(task, domain, prompts, self.cfg.max_agents)
         constraint = None
         if self.constrained:
-            from lemon.spec.grammar import GrammarCache, SpecGrammar
             self._grammar_cache = self._grammar_cache or GrammarCache()  # compile once per writer
             constraint = GrammarConstraint(SpecGrammar.for_domain(prompts, domain, max_agents=self.cfg.max_agents),
                                            self._grammar_cache)

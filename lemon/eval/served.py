@@ -5,7 +5,10 @@ summation order. Agreement and speed: bench/served_policy_bench.py."""
 from __future__ import annotations
 
 from lemon.eval.orchestrator import OrchestratorConfig, SpecProposal, orchestrator_messages
+from lemon.policy.model import converted_dir
+from lemon.policy.rollout import eos_ids_of
 from lemon.prompts import Prompts
+from lemon.run.models import SHIPPED
 from lemon.spec import SpecError, parse_spec
 from lemon.spec.grammar import GrammarCache, SpecGrammar
 
@@ -14,9 +17,6 @@ def policy_eos_ids(base_model: str, tokenizer) -> set[int]:
     """The ids transformers' generate() stops on for this policy: lemon.policy.rollout's rule on the generation_config
     saved beside the policy's weights (none saved: the tokenizer's EOS)."""
     from transformers import GenerationConfig
-    from lemon.run.models import SHIPPED
-    from lemon.policy.model import converted_dir
-    from lemon.policy.rollout import eos_ids_of
     try:
         gen = GenerationConfig.from_pretrained(str(converted_dir(base_model) if base_model in SHIPPED else base_model))
     except OSError:

@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from lemon.policy.model import converted_dir
+from lemon.run.models import SHIPPED, cache_dir, get_model
 from lemon.run.servers import ServerConfig, ServerError, ServerManager, build_info, find_binary
 
 
@@ -54,7 +56,6 @@ def adapter_to_gguf(adapter: str | Path, base_model: str, *, out: str | Path | N
     """The peft adapter folder as an f32 LoRA GGUF (default <adapter>/lora-<digest>.gguf; reused when the digest of
     adapter_config.json + adapter_model.safetensors matches). base_model: the shipped model name the adapter was trained on
     (the converter reads its config from lemon.policy.model.converted_dir, never its weights)."""
-    from lemon.policy.model import converted_dir
     adapter = Path(adapter)
     if not (adapter / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"{adapter} is not a saved peft adapter (no adapter_model.safetensors)")
@@ -80,7 +81,6 @@ def base_gguf(base_model: str, weights: str = "f32") -> Path:
     dequantized to F32 by gguf-py's `dequantize`, the very function transformers uses when lemon.policy.model loads the
     shipped file, so the server holds exactly the trained policy's base weights (metadata and tokenizer copied as they are).
     Written once into the model cache."""
-    from lemon.run.models import SHIPPED, cache_dir, get_model
     if weights not in ("f32", "shipped"):
         raise ValueError(f"weights={weights!r}; valid: 'f32' (the trained policy's exact weights) or 'shipped' (quantized)")
     src = get_model(base_model)

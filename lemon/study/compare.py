@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lemon import benchmarks as B
 from lemon.eval.runner import read_rows
+from lemon.spec import SpecError, parse_spec
+from lemon.study.paths import StudyPaths
 
 
 def paired(rows_a: dict[str, list[dict]], rows_b: dict[str, list[dict]], *, n_boot: int = 2000, seed: int = 0,
@@ -92,7 +95,6 @@ def study_comparisons(cfg, root: Path) -> pd.DataFrame:
     """The study's paired table: the trained policy ('lemon', notebook 04) against each training variant of notebook 03
     (evaluated on the ablation sample, a prefix of the eval sample: paired on the questions both saw) and against every
     other method of notebook 04. 'full' at the main run's step count is the main adapter itself and is left out."""
-    from lemon.study.paths import StudyPaths
     paths = StudyPaths(root)
     lemon = load_rows({b: paths.eval_dir("lemon", b) for b in cfg.benchmarks})
     pairs = []
@@ -114,9 +116,6 @@ def study_comparisons(cfg, root: Path) -> pd.DataFrame:
 def policy_specs(cfg, root: Path, prompts) -> dict[str, dict]:
     """{method: {(benchmark, id): Spec or None}} of the trained policy ('lemon') and each evaluated variant, parsed from
     their results (None: the text did not parse)."""
-    from lemon import benchmarks as B
-    from lemon.spec import SpecError, parse_spec
-    from lemon.study.paths import StudyPaths
     paths = StudyPaths(root)
     where = {"lemon": (cfg.benchmarks, lambda b: paths.eval_dir("lemon", b))}
     for v in cfg.ablation_variants:

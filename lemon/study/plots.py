@@ -9,6 +9,9 @@ import pandas as pd
 
 from lemon import benchmarks as B
 from lemon.eval.runner import read_rows, summarize
+from lemon.prompts import default_prompts
+from lemon.study.compare import policy_specs, spec_composition, study_comparisons
+from lemon.study.paths import StudyPaths
 from lemon.train.edits import REGISTRY
 
 FAMILY_LABEL = {f.name: f.label for f in REGISTRY.values()}  # one record per family: lemon.train.edits.REGISTRY
@@ -169,7 +172,6 @@ def edit_heatmap(e: pd.DataFrame):
 
 def ablation_table(root: Path, variants, benchmarks) -> pd.DataFrame:
     """Paper Table 2 shape: one row per training variant, accuracy and mean worker tokens per benchmark and averaged."""
-    from lemon.study.paths import StudyPaths
     t = eval_table(root, variants, benchmarks, sub=lambda r, m, b: StudyPaths(r).variant_eval_dir(m, b))
     if t.empty:
         return t
@@ -206,7 +208,7 @@ def dev_plot(d: pd.DataFrame):
 def spec_gallery(items: list[tuple[str, object]]):
     """Draw specs with lemon.study.widgets.draw_spec when available; else return their YAML. items: (title, Spec)."""
     try:
-        from lemon.study.widgets import draw_spec
+        from lemon.study.widgets import draw_spec  # lazy: matplotlib, IPython (optional)
     except ImportError:
         draw_spec = None
     out = []
@@ -233,8 +235,6 @@ def md_table(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
 def headline_md(cfg, root: Path, models: str) -> list[str]:
     """summary.md's first section: the trained policy paired with its warm start, global GRPO and the other methods on
     the same questions (lemon.study.compare), led by the one-sentence answer of 'lemon vs sft'."""
-    from lemon.prompts import default_prompts
-    from lemon.study.compare import policy_specs, spec_composition, study_comparisons
     c = study_comparisons(cfg, root)
     if c.empty:
         return []

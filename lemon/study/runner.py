@@ -22,8 +22,11 @@ from pathlib import Path
 from lemon import benchmarks as B
 from lemon.manifest import build_manifest, git_sha, write_json
 from lemon.progress import TEXT_ENV
+from lemon.prompts import default_prompts
 from lemon.run.models import DEFAULT_LADDER, SHIPPED
+from lemon.study.profiles import load_profiles, parse_sets
 from lemon.study.paths import StudyPaths  # noqa: F401  (re-exported: notebooks import it from here)
+from lemon.study.plots import write_summary
 from lemon.study.config import (MATH, NOTEBOOKS, ORCHESTRATORS, STUDY_PROFILES, VARIANTS,  # noqa: F401  (re-exported)
                                 StudyConfig, split_method, study_preset)
 
@@ -44,10 +47,11 @@ def resolve_out_dir(profile: str, out_dir: str | Path | None = None, resume: boo
     return (root / "outputs" / f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
-def setup(profile: str, out_dir: str, seed: int) -> tuple[StudyConfig, StudyPaths]:
-    """What every notebook's second cell calls: the config, the paths (out_dir '' = the newest study of this profile, or a
-    new one), with the config checked against the one the study folder was started with."""
-    cfg = study_preset(profile, seed=seed)
+def setup(profile: str, out_dir: str, seed: int, sets: list[str] | tuple = (), workers: str = "") -> tuple[StudyConfig, StudyPaths]:
+    """What every notebook's second cell calls: the config (profile, then `sets` = --set FIELD=VALUE items and `workers` =
+    a --workers file, see study_preset), the paths (out_dir '' = the newest study of this profile, or a new one), with the
+    config checked against the one the study folder was started with."""
+    cfg = study_preset(profile, seed=seed, sets=parse_sets(sets), workers=workers or None)
     paths = StudyPaths(resolve_out_dir(profile, out_dir or None, newest_ok=True))
     write_config(cfg, paths)
     return cfg, paths
@@ -96,7 +100,6 @@ def _digest(*parts) -> str:
 
 def study_manifest(cfg: StudyConfig) -> dict:
     """Git sha, config, data files' and models' sha256, seeds (what produced every number of the study)."""
-    from lemon.prompts import default_prompts
     workers = cfg.train.workers or {c: {"backend": "llama_cpp", "model": m} for c, m in DEFAULT_LADDER.items()}
     workers = {c: {k: v for k, v in w.items() if k in ("backend", "model", "base_url")} for c, w in workers.items()}
     root = B.resolve_data_dir()
@@ -119,17 +122,21 @@ def _record_time(paths: StudyPaths, timings: dict, nb: str, t0: float, stopped: 
 
 
 def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, seed: int = 0,
-              notebooks: tuple[str, ...] = NOTEBOOKS, log_output: bool = True) -> Path:
+              sets: list[str] | tuple = (), workers: str = "", notebooks: tuple[str, ...] = NOTEBOOKS,
+              log_output: bool = True) -> Path:
     """Execute the notebooks in order with papermill into the study folder; a notebook that finished with the same source
     and config is skipped. A failing cell stops the study: the notebook, cell and error are printed, exit status 1."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
     from nbclient.exceptions import DeadKernelError
-    from lemon.study.plots import write_summary
     paths = StudyPaths(resolve_out_dir(profile, out_dir, resume))
-    cfg = study_preset(profile, seed=seed)
-    print(f"LEMON study, profile {profile}, seed {seed}: {paths.root}", flush=True)
+    cfg = study_preset(profile, seed=seed, sets=parse_sets(sets), workers=workers or None)
+    print(f"LEMON study, profile {profile}, seed {seed}{''.join(f', --set {x}' for x in sets)}"
+          f"{f', --workers {workers}' if workers else ''}: {paths.root}", flush=True)
     write_config(cfg, paths)
+    # the resume command repeats every option that shaped the config (a folder refuses another config)
+    again = (f"scripts/main.sh --profile {profile} --out {paths.root} --seed {seed}" + "".join(f" --set {x}" for x in sets)
+             + (f" --workers {workers}" if workers else ""))
     mp = paths.root / "manifest.json"
     man = json.loads(mp.read_text()) if mp.exists() else study_manifest(cfg)
     if mp.exists():
@@ -152,19 +159,20 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
         t0 = time.perf_counter()
         try:
             pm.execute_notebook(str(src), str(paths.root / f"{nb}.ipynb"), kernel_name="python3", cwd=str(ROOT),
-                                parameters={"profile": profile, "out_dir": str(paths.root), "seed": seed},
+                                parameters={"profile": profile, "out_dir": str(paths.root), "seed": seed,
+                                            "sets": list(sets), "workers": str(workers or "")},
                                 progress_bar=False, stdout_file=sys.stdout if log_output else None,
                                 stderr_file=sys.stderr if log_output else None)
         except PapermillExecutionError as e:
             _record_time(paths, timings, nb, t0, f"failed in cell {e.cell_index}")
             print(f"\nstudy FAILED in notebook {nb}.ipynb, cell {e.cell_index} (execution count {e.exec_count}): "
                   f"{e.ename}: {e.evalue}\n  executed notebook with the traceback: {paths.root / (nb + '.ipynb')}\n"
-                  f"  fix it and resume with: scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
+                  f"  fix it and resume with: {again}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through main()'s handler
             _record_time(paths, timings, nb, t0, "interrupted")
             print(f"\nstudy INTERRUPTED in notebook {nb}.ipynb (finished work is kept)\n  resume with: "
-                  f"scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
+                  f"{again}", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
         except DeadKernelError:
             _record_time(paths, timings, nb, t0, "kernel died")
@@ -172,7 +180,7 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
             # the cpu profile peaks at ~14 GB RSS during CF-GRPO)
             print(f"\nstudy FAILED in notebook {nb}.ipynb: its kernel died (killed from outside: out of memory? see "
                   f"`dmesg | grep -i oom`)\n  partial notebook: {paths.root / (nb + '.ipynb')}\n  free memory and resume with: "
-                  f"scripts/main.sh --profile {profile} --out {paths.root}", file=sys.stderr, flush=True)
+                  f"{again}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         wall = _record_time(paths, timings, nb, t0)
         write_json(marker, {"key": key, "wall_s": wall, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -190,13 +198,16 @@ def _raise_interrupt(signum, frame):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lemon.study", description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
     p.add_argument("--profile", default="cpu", choices=list(STUDY_PROFILES),
-                   help="test (the notebook test's study, ~4 min) | smoke (135M everywhere, 6 benchmarks, ~20 min) | cpu "
-                        "(does training help? 2 cores, ~2 h) | cpu-long (the same, CF vs global, 150 questions, ~13 h) | "
-                        "cpu-wide (six benchmarks) | paper (GPU)")
+                   help="; ".join(f"{n}: {pr.answers}" for n, pr in load_profiles().items()) + " (configs/profiles.yaml)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--out", help="study folder (an existing one is resumed; default: a new outputs/<profile>-<timestamp>)")
     g.add_argument("--resume", action="store_true", help="resume the newest outputs/<profile>-* study")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a StudyConfig field (train.FIELD / sft.FIELD: the trainer's / warm start's), e.g. "
+                        "--set eval_n=30 --set train.max_steps=8; repeatable (configs/profiles.yaml lists each profile's)")
+    p.add_argument("--workers", default="", help="YAML/JSON worker-pool file replacing the profile's workers, e.g. "
+                                                 "configs/workers-paper.yaml")
     p.add_argument("--quiet", action="store_true", help="do not stream cell outputs to the console")
     a = p.parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -204,7 +215,7 @@ def main(argv=None) -> int:
     # kernel is shut down by papermill's cleanup instead of being orphaned.
     old = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     try:
-        run_study(a.profile, a.out, a.resume, seed=a.seed, log_output=not a.quiet)
+        run_study(a.profile, a.out, a.resume, seed=a.seed, sets=a.set, workers=a.workers, log_output=not a.quiet)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

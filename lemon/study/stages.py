@@ -11,9 +11,16 @@ from pathlib import Path
 
 from lemon import benchmarks as B
 from lemon.eval.baselines import BASELINES
-from lemon.train.edits import FAMILIES
+from lemon.eval.served import ServedPolicySpecWriter
+from lemon.policy.model import converted_dir, load_policy
+from lemon.policy.served import ServedPolicy
+from lemon.progress import bar as tqdm
+from lemon.spec import SpecError, parse_spec
+from lemon.train.edits import FAMILIES, apply_edit, eligible_sites
+from lemon.train.pipeline import build_pool, checkpoint_step, checkpoints, train, training_examples, warm_start
+from lemon.train.sft import mutated_baseline
 from lemon.eval.runner import EvalConfig, read_rows, run_eval
-from lemon.run.executor import ExecutorCaps, domain_reply_caps
+from lemon.run.executor import ExecutorCaps, NodeCache, domain_reply_caps, execute
 from lemon.manifest import write_json
 from lemon.eval.orchestrator import OrchestratorConfig, PolicySpecWriter
 from lemon.study.config import FIXED, ORCHESTRATORS, VARIANTS, StudyConfig, split_method
@@ -60,7 +67,6 @@ def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
 # ---- notebook 02: training -------------------------------------------------------------------------------------------
 def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, progress: bool = True) -> tuple[dict, dict]:
     """SFT warm start then CF-GRPO (both resume), with one worker pool; checks the training ids lie in 01's train pools."""
-    from lemon.train.pipeline import build_pool, train, warm_start
     pools = json.loads(paths.require(paths.data / "train_ids.json", "01_prepare_data").read_text())
     pool = build_pool(cfg.train)
     try:
@@ -80,10 +86,6 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
     """On held-out specs (seeded mutated baselines) for the edit sample of the EVAL pools, apply each edit family at up to
     `edit_sites` eligible sites and execute original and edited spec (node cache shared). One row per edit in
     ablations/edit_effects.jsonl (resumed by key); d_score / d_tokens = edited minus original."""
-    from lemon.progress import bar as tqdm
-    from lemon.train.edits import apply_edit, eligible_sites
-    from lemon.run.executor import NodeCache, execute
-    from lemon.train.sft import mutated_baseline
     samples = load_samples(cfg, paths, "edit")
     paths.edits.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(paths.edits)
@@ -119,7 +121,6 @@ def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
 def train_variant(cfg: StudyConfig, paths: StudyPaths, name: str, prompts, pool, *, progress: bool = True) -> Path:
     """Train (or resume) one ablation variant from notebook 02's SFT warm start; returns its adapter folder.
     'sft' is the warm start itself; 'full' at the main run's step count is notebook 02's run (not retrained)."""
-    from lemon.train.pipeline import train
     sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())
     if name == "sft":
         return Path(sft["adapter"])
@@ -145,7 +146,6 @@ def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress
 def dev_examples(cfg: StudyConfig) -> dict[str, list]:
     """{benchmark: [Example]}: dev_n held-out TRAIN-pool questions per training benchmark, the ones that follow the
     training questions in lemon.train.pipeline.training_examples' seeded order (so no run trains on them)."""
-    from lemon.train.pipeline import training_examples
     n = cfg.train.train_questions
     extra = training_examples(replace(cfg.train, train_questions=n + cfg.dev_n * len(cfg.train.benchmarks)))[n:]
     return {b: [e for e in extra if e.benchmark == b] for b in cfg.train.benchmarks}
@@ -155,7 +155,6 @@ def dev_curves(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: 
     """Notebook 03 (cfg.dev_n > 0): the main run and each trained variant, evaluated at step 0 (the SFT adapter), every
     dev_every steps and at the end on the dev set (dev/<run>/step-<k>/<benchmark>, resumable). One row per (run, step):
     accuracy, n, mean worker tokens."""
-    from lemon.train.pipeline import checkpoint_step, checkpoints
     if not cfg.dev_n:
         return []
     sft = json.loads(paths.require(paths.sft / "sft.json", "02_train_grpo_lora").read_text())["adapter"]
@@ -181,7 +180,6 @@ def eval_pool(cfg: StudyConfig):
     """The worker pool of notebooks 03/04: the models LEMON was trained with, its reply caps raised to what the evaluated
     benchmarks' domains need (lemon.run.executor.domain_reply_caps; eval_caps clips each benchmark back to its own).
     Close it when done."""
-    from lemon.train.pipeline import build_pool
     domains = {B.get_benchmark(b).domain for b in (*cfg.benchmarks, *cfg.ablation_benchmarks)}
     caps = [domain_reply_caps(cfg.train.worker_max_tokens, d) for d in domains] or [dict(cfg.train.worker_max_tokens)]
     # deterministic_workers off: it is for training's reward contrasts (one request in flight per server); evaluation keeps
@@ -217,15 +215,11 @@ class LazyPolicyWriter:
             orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
             if self.cfg.policy_server:
                 from transformers import AutoTokenizer
-                from lemon.eval.served import ServedPolicySpecWriter
-                from lemon.policy.served import ServedPolicy
-                from lemon.policy.model import converted_dir
                 model = self.cfg.train.policy.model
                 self._server = ServedPolicy(model, self.adapter)
                 tok = AutoTokenizer.from_pretrained(str(converted_dir(model)))  # the tokenizer load_policy uses
                 self._w = ServedPolicySpecWriter(self._server, tok, orch)
             else:
-                from lemon.policy.model import load_policy
                 model, tok = load_policy(self.cfg.train.policy, adapter=self.adapter)
                 model.eval()
                 self._w = PolicySpecWriter(model, tok, orch, self.name)
@@ -244,7 +238,7 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
     """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
     summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy).
     pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split.
-    writer: a spec writer to use instead of loading `adapter` (e.g. lemon.study.duel.ReplayWriter: recorded specs).
+    writer: a spec writer to use instead of loading `adapter` (e.g. experiments.duel.legs.ReplayWriter: recorded specs).
     concurrency: questions in flight (lemon.eval.runner.run_eval; the servers batch them, ~1.1-1.3x on 2 cores)."""
     base, cap = split_method(method)  # 'cot@large': the cot baseline at capacity large
     if base not in BASELINES and method != "prompted" and adapter is None and writer is None:
@@ -321,7 +315,6 @@ def evaluate_method(cfg: StudyConfig, paths: StudyPaths, method: str, samples: d
 
 def generated_specs(cfg: StudyConfig, paths: StudyPaths, prompts, methods=ORCHESTRATORS) -> list[dict]:
     """Specs the orchestrators wrote in notebook 04 (parsed again; invalid ones keep their error), valid ones first."""
-    from lemon.spec import SpecError, parse_spec
     out = []
     for m in methods:
         for b in cfg.benchmarks:

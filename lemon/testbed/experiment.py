@@ -19,11 +19,18 @@ from typing import Mapping
 
 import pandas as pd
 
+from lemon.benchmarks import get_benchmark
+from lemon.eval.orchestrator import orchestrator_messages
+from lemon.policy import model as policy_model  # policy_model.cached_random_policy: tests patch it there
+from lemon.policy.model import PolicyConfig, load_policy
+from lemon.policy.rollout import GrammarConstraint, sample_specs
 from lemon.prompts import Prompts
 from lemon.run.executor import ExecutorCaps
 from lemon.testbed.exact import exact_scorer_factory
 from lemon.testbed.world import SimWorld, duty_world, edge_world, mixed_world, tiny_world, two_type_world
+from lemon.train.config import train_preset
 from lemon.train.edits import FAMILIES
+from lemon.train.pipeline import checkpoint_step, checkpoints, train
 from lemon.train.rewards import RewardConfig
 
 ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "global": {"cf_lambda": 0.0},
@@ -121,13 +128,10 @@ def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
     lemon.train.config.size_budgets sizes real workers: reply caps at least the sim's reply lengths, task budget at least
     and efficiency budget exactly the nominal tokens of the most expensive allowed spec (lemon.testbed.world)."""
     from dataclasses import replace
-
-    from lemon.train.config import train_preset
     over = {"max_steps": exp.max_steps, "save_steps": exp.eval_every, "seed": seed, "train_questions": exp.train_questions,
             "benchmarks": tuple(world.config.benchmark_type), **ARMS[arm], **dict(exp.train_overrides)}
     if exp.base == "random-tiny":
-        from lemon.policy.model import PolicyConfig, cached_random_policy
-        over["policy"] = PolicyConfig(model=str(cached_random_policy(seed)), **RANDOM_TINY)
+        over["policy"] = PolicyConfig(model=str(policy_model.cached_random_policy(seed)), **RANDOM_TINY)
     cfg = train_preset(exp.profile, **over)
     worst = world.worst_tokens(cfg.max_agents)
     caps = {c: max(int(cfg.worker_max_tokens.get(c, 0)), n) for c, n in world.worker_max_tokens().items()}
@@ -149,7 +153,6 @@ def run_caps(cfg) -> ExecutorCaps:
 def run_arm(arm: str, seed: int, out_dir: Path, world: SimWorld, exp: ExperimentConfig, prompts: Prompts, *,
             progress: bool = True) -> dict:
     """Train one (arm, seed) into out_dir (resumable). THE one call into the trainer; run.json records what scoring needs."""
-    from lemon.train.pipeline import train
     cfg = train_config(arm, seed, exp, world)
     train_ex, _ = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
     out_dir = Path(out_dir)
@@ -232,7 +235,6 @@ def collect(root: Path, world: SimWorld, which: str = "rollouts") -> pd.DataFram
 # ---- held-out greedy evaluation and the experiment record -------------------------------------------------------------
 def eval_points(run_dir: Path, exp: ExperimentConfig) -> list[tuple[int, str | None]]:
     """(step, adapter) to evaluate: step 0 = the starting adapter, then every checkpoint, then the final adapter."""
-    from lemon.train.pipeline import checkpoint_step
     run_dir = Path(run_dir)
     pts = {0: exp.init_adapter}
     for p in (run_dir / "grpo").glob("checkpoint-*"):
@@ -251,11 +253,6 @@ def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prom
     import gc
     import shutil
 
-    from lemon.benchmarks import get_benchmark
-    from lemon.eval.orchestrator import orchestrator_messages
-    from lemon.train.pipeline import checkpoints
-    from lemon.policy.model import load_policy
-    from lemon.policy.rollout import GrammarConstraint, sample_specs
     run_dir = Path(run_dir)
     _, heldout = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
     domains = [get_benchmark(e.benchmark).domain for e in heldout]

@@ -109,7 +109,7 @@ def write_report(root: Path, exp: ExperimentConfig, world: SimWorld) -> Path:
           f"steps; steps to threshold = first step whose {exp.smooth}-step running mean regret is <= {exp.threshold:g}; CIs "
           "are 95% bootstrap over seeds (with 3 seeds, crude).", "",
           "Regenerate (one invocation per line, in this order; finished runs are skipped):", "",
-          *[f"    {c}" for c in rec.get("commands", [rec.get("command", "bench/testbed_run.py")])], "", "## Optimum per task type", "", md_table(opt), "",
+          *[f"    {c}" for c in rec.get("commands", [rec.get("command", "experiments/testbed_run.py")])], "", "## Optimum per task type", "", md_table(opt), "",
           "## Results", "", md_table(shown), "",
           "## Paired by seed: each arm minus global GRPO", "",
           "diff < 0 favours the arm for regrets, diff > 0 for the held-out gain (greedy expected reward at the last "

@@ -12,14 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from lemon.prompts import Prompts
+from lemon.testbed.experiment import train_config
+from lemon.train.config import sft_preset
+from lemon.train.pipeline import warm_start
 
 
 def warm_start_adapter(exp, world, prompts: Prompts, out_dir: Path, *, progress: bool = True) -> Path:
     """Build (or reuse: lemon.train.pipeline.warm_start skips a folder with sft.json) the format SFT adapter for `exp` in
     out_dir and return out_dir. Same recipe for every profile: sft_preset('smoke') at the profile's max_agents."""
-    from lemon.testbed.experiment import train_config
-    from lemon.train.config import sft_preset
-    from lemon.train.pipeline import warm_start
     # arm and seed only change CF fields and the training seed; the corpus is drawn with seed 0 whatever the run seeds are
     cfg = train_config(exp.arms[0], 0, replace(exp, init_adapter=None), world)
     sft = sft_preset("smoke", max_agents=cfg.max_agents)

@@ -16,7 +16,7 @@ from lemon.prompts import CAPACITIES, Prompts
 from lemon.run.executor import ExecutorCaps
 from lemon.run.workers import SamplingParams, WorkerPool
 from lemon.spec import Spec, SpecError, parse_spec
-from lemon.testbed.search import check_reward_properties, search, spec_of
+from lemon.testbed.search import check_reward_properties, search, spec_of, structures
 from lemon.testbed.sim import (KIND_OF, MessageReader, Node, SimBackend, SimConfig, SimConfigError, SimUnknownTaskError,
                                TaskType, call_tokens, final_distribution, final_text)
 from lemon.train.rewards import RewardConfig, compute_reward
@@ -252,7 +252,6 @@ def best_fixed(world: SimWorld, reward_cfg: RewardConfig, max_agents: int, caps:
     """The best ONE spec for every task type of the world (what a policy that ignores the question can do at best):
     (spec, its expected reward per type, its regret = mean over types of optimum - its reward). Types weigh equally, as
     the trainer's round-robin draws them. Exhaustive over the search's structures (lemon.testbed.search)."""
-    from lemon.testbed.search import structures
     types = list(world.config.types)
     ex = {t: next(e for e in world.examples() if world.type_of(e) == t) for t in types}
     opt = {t: world.optimum(ex[t], reward_cfg, max_agents, caps).expected_reward for t in types}

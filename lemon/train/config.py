@@ -11,6 +11,7 @@ from lemon.spec.schema import DUTY_CHARS, ROLE_CHARS
 from lemon.policy.dtype import SAMPLING_DTYPES
 from lemon.train.edits import FAMILIES
 from lemon.policy.model import PolicyConfig
+from lemon.run.workers import SERVER_BACKENDS, load_worker_config
 from lemon.train.rewards import RewardConfig
 from lemon.train.sft import SFTConfig
 
@@ -25,11 +26,26 @@ def workers_from_file(path) -> tuple[dict, dict]:
     """A --workers file (lemon.run.workers.load_worker_config) split into TrainConfig.workers (its capacity entries, with
     every client setting) and its max_tokens ({} if none). Training caps replies at TrainConfig.worker_max_tokens (they size
     the budgets; pipeline.build_pool hands them to the pool), so a file's max_tokens reach training only via the paper preset."""
-    from lemon.run.workers import load_worker_config
     cfg = load_worker_config(path)
     caps = cfg.pop("max_tokens", None) or {}
     return cfg, caps
 
+
+
+def with_workers(cfg: "TrainConfig", path) -> tuple["TrainConfig", list[str]]:
+    """`cfg` training with the workers of a --workers file, and notes for the user: deterministic_workers is turned off
+    for workers that are not llama-servers (it applies to them only; build_pool would refuse it), and the file's
+    max_tokens do not replace the preset's reply caps (they size its budgets)."""
+    workers, caps = workers_from_file(path)
+    notes, det = [], cfg.deterministic_workers
+    if det and any(e.get("backend") not in SERVER_BACKENDS for e in workers.values()):
+        det = False
+        notes.append(f"{path} names workers that are not llama-servers: deterministic_workers is off (it applies to "
+                     "llama-server workers only)")
+    if caps and caps != cfg.worker_max_tokens:
+        notes.append(f"training caps worker replies at the {cfg.profile} preset's {cfg.worker_max_tokens} (they size its "
+                     f"budgets), not {path}'s max_tokens {caps}")
+    return replace(cfg, workers=workers, deterministic_workers=det), notes
 
 # Measured sizes used to size presets (2026-12-01; tests/test_config.py re-measures them with the real tokenizers):
 SPEC_TOKENS_PER_AGENT = 90

@@ -34,6 +34,8 @@ from transformers import TrainerCallback
 
 from lemon.train.cf import step_advantages
 from lemon.train.edits import FAMILIES
+from lemon.train.episodes import CurriculumSampler
+from lemon.train.unsloth_compat import is_unsloth_trainer, unsloth_advantages
 
 CF_STATE = "cf_state.json"
 MIN_TRL = (0, 26)  # TRL <= 0.25 unsqueezes advantages unconditionally: (B, T) would broadcast silently to (B, B, T)
@@ -104,7 +106,6 @@ class CFGRPOMixin:
     def _get_train_sampler(self, dataset=None):
         if self.rollouts.curriculum_ids is None:
             return super()._get_train_sampler(dataset)
-        from lemon.train.episodes import CurriculumSampler
         return CurriculumSampler(self.rollouts.curriculum_ids, self.rollouts.labels,
                                  questions=self.args.generation_batch_size // self.num_generations,
                                  generations=self.num_generations,
@@ -126,7 +127,6 @@ class CFGRPOMixin:
         out["advantages"] = adv.to(out["advantages"].dtype)  # (B, T)
         out["completion_mask"] = cmask * keep[:, None].to(cmask.dtype)  # errored rollouts leave the loss entirely
         out["num_items_in_batch"] = out["completion_mask"].sum()
-        from lemon.train.unsloth_compat import is_unsloth_trainer, unsloth_advantages
         if is_unsloth_trainer(self):  # its loss scores its own token window and rebuilds the mask (unsloth_compat's doc)
             out["advantages"] = unsloth_advantages(out, cmask, pad_id=self.processing_class.pad_token_id,
                                                    cf_lambda=self.rollouts.cf_lambda,

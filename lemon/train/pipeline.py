@@ -13,10 +13,15 @@ from lemon.train.edits import FamilySampler
 from lemon.run.executor import ExecutorCaps, NodeCache
 from lemon.manifest import build_manifest, write_json
 from lemon.eval.orchestrator import orchestrator_messages
+from lemon.policy.dtype import cpu_bf16_native, resolve_sample_dtype
 from lemon.policy.model import load_policy, resolve_backend
 from lemon.progress import text_mode
 from lemon.prompts import Prompts
-from lemon.train.sft import SFTConfig
+from lemon.run.servers import ServerConfig
+from lemon.run.workers import SERVER_BACKENDS, WorkerPool
+from lemon.spec.grammar import GrammarCache
+from lemon.train.scoring import SpecScorer
+from lemon.train.sft import SFTConfig, build_corpus, run_sft, valid_rate
 
 
 def training_examples(cfg: TrainConfig) -> list:
@@ -35,8 +40,6 @@ def training_examples(cfg: TrainConfig) -> list:
 
 
 def build_pool(cfg: TrainConfig):
-    from lemon.run.servers import ServerConfig
-    from lemon.run.workers import SERVER_BACKENDS, WorkerPool
     if not cfg.workers:
         return WorkerPool.embedded_default(max_tokens=dict(cfg.worker_max_tokens),
                                            server=ServerConfig(deterministic=cfg.deterministic_workers))
@@ -71,7 +74,6 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
     Skipped (its saved record returned) when out/sft.json exists: rerunning a study resumes instead of redoing.
     `corpus`: rows an earlier build_corpus wrote (corpus.jsonl), used instead of building one with the workers (the
     executed corpus is the costly part; SFT on the same rows and seed rebuilds the same adapter)."""
-    from lemon.train.sft import build_corpus, run_sft, valid_rate
     out = Path(out)
     if (out / "sft.json").exists():
         return json.loads((out / "sft.json").read_text())
@@ -140,9 +142,8 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
            scorer_factory=None) -> dict:
     import torch
     from datasets import Dataset
-    from lemon.train.episodes import SpecRollouts, prompt_key
-    from lemon.train.grpo import reward_functions, trainer_class
-    from lemon.train.scoring import SpecScorer
+    from lemon.train.episodes import SpecRollouts, prompt_key  # lazy: torch
+    from lemon.train.grpo import reward_functions, trainer_class  # lazy: torch, transformers, peft
 
     examples = examples if examples is not None else training_examples(cfg)
     benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
@@ -170,7 +171,6 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
         concurrency=cfg.rollout_concurrency, worker_seed_per_step=cfg.worker_seed_per_step)
     grammars = cache = None
     if cfg.constrained:  # one grammar per domain (its base roles), compiled once per run
-        from lemon.spec.grammar import GrammarCache
         by_domain = {d: cfg.grammar(prompts, d) for d in {benches[e.benchmark].domain for e in examples}}
         grammars, cache = {e.id: by_domain[benches[e.benchmark].domain] for e in examples}, GrammarCache()
     by_prompt = {prompt_key(r["prompt"]): r["example_id"] for r in rows}
@@ -194,16 +194,13 @@ def sample_dtype_for(cfg: TrainConfig) -> str:
     decided; resolving against model.device picked a merged bf16 deep copy of the whole policy per step on a GPU host
     with a native-bf16 CPU (issue 29, finding 6). On CUDA the bf16 policy samples as it is."""
     import torch
-    from lemon.policy.dtype import resolve_sample_dtype
     return resolve_sample_dtype(cfg.sample_dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str):
     """TRL's GRPOConfig for this run, of the class `backend`'s trainer expects (lemon.train.grpo.config_class)."""
     import torch
-    from lemon.policy.dtype import cpu_bf16_native
-    from lemon.train.grpo import config_class
-    from lemon.train.grpo import check_trl_cpu
+    from lemon.train.grpo import check_trl_cpu, config_class  # lazy: torch, transformers, peft
     GRPOConfig = config_class(backend)
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -224,7 +221,7 @@ def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str
 
 def _fit(trainer, rollouts, cfg: TrainConfig, out: Path, tok, init_adapter, bf16: bool, progress: bool) -> dict:
     """Train (resuming from the latest checkpoint), save the adapter and train.json."""
-    from lemon.train.grpo import CFStateCallback, completion_only_lm_head, load_cf_state
+    from lemon.train.grpo import CFStateCallback, completion_only_lm_head, load_cf_state  # lazy: torch, transformers, peft
     trainer.add_callback(CFStateCallback(rollouts, out / "metrics.jsonl", verbose=progress))
     if text_mode():  # headless: the callback's one line per step replaces the Trainer's dump of every logged key
         from transformers.trainer_callback import PrinterCallback

@@ -17,9 +17,9 @@ from pathlib import Path
 from lemon.eval.baselines import MULTI_AGENT, baseline_spec
 from lemon.run.executor import ExecutorCaps, NodeCache, execute
 from lemon.eval.orchestrator import OrchestratorConfig, orchestrator_messages, propose_spec
-from lemon.progress import text_mode
+from lemon.progress import bar as tqdm, text_mode
 from lemon.prompts import CAPACITIES, Prompts
-from lemon.spec import MAX_AGENTS, Spec, parse_spec
+from lemon.spec import MAX_AGENTS, Spec, SpecError, parse_spec
 from lemon.spec.schema import canonical
 
 
@@ -89,7 +89,6 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
                  cache: NodeCache | None = None, progress: bool = True) -> tuple[list[dict], dict]:
     """Rows {"prompt": messages, "completion": [assistant message], "example_id", "tokens"} and stats
     (candidates, valid, executed, solved, kept, orchestrator_valid)."""
-    from lemon.progress import bar as tqdm
     if (cfg.filter_by_execution or cfg.use_orchestrator) and pool is None:
         raise ValueError("filter_by_execution / use_orchestrator need a worker pool")
     rng = random.Random(cfg.seed)
@@ -158,8 +157,6 @@ def valid_rate(model, tokenizer, examples, benchmarks: dict, prompts: Prompts, *
                max_new_tokens: int = 320, progress: bool = True) -> dict:
     """Greedy-decode one spec per question with the policy; the fraction that parse (reported before/after SFT)."""
     import torch
-    from lemon.progress import bar as tqdm
-    from lemon.spec import SpecError
     ok, codes = 0, {}
     model.eval()
     for ex in tqdm(examples, desc="valid rate", disable=not progress):

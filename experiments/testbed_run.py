@@ -2,10 +2,10 @@
 seeds, the same budget, on SIMULATED workers with a known optimum (lemon.testbed). Resumable: a finished run is skipped, an
 interrupted one continues from its checkpoint, held-out points already evaluated are kept.
 
-    .venv/bin/python bench/testbed_run.py --world two --seeds 0 1 2 --steps 30 --out outputs/testbed/two
-    .venv/bin/python bench/testbed_run.py --world tiny --profile smoke --sft ...   # format SFT into <out>/sft first
-    .venv/bin/python bench/testbed_run.py --world tiny --plan      # the optimum per type and the run plan, no training
-    .venv/bin/python bench/testbed_run.py --out outputs/testbed/two --report   # rebuild summary.md and plots only
+    .venv/bin/python experiments/testbed_run.py --world two --seeds 0 1 2 --steps 30 --out outputs/testbed/two
+    .venv/bin/python experiments/testbed_run.py --world tiny --profile smoke --sft ...   # format SFT into <out>/sft first
+    .venv/bin/python experiments/testbed_run.py --world tiny --plan      # the optimum per type and the run plan, no training
+    .venv/bin/python experiments/testbed_run.py --out outputs/testbed/two --report   # rebuild summary.md and plots only
 
 Prints one line per run (wall time) and, at the end, the summary table (final regret and steps to threshold with bootstrap
 CIs over seeds) and the path of summary.md. Timings on the 2-core machine depend on what else runs: say so when quoting them.
@@ -19,13 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemon.prompts import default_prompts  # noqa: E402
-from lemon.testbed.experiment import (ARMS, BASES, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,  # noqa: E402
+from lemon.prompts import default_prompts
+from lemon.testbed.experiment import (ARMS, BASES, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,
                                       make_world, run_arm, run_caps, train_config, write_experiment)
-from lemon.testbed.plots import write_report  # noqa: E402
-from lemon.testbed.warm import warm_start_adapter  # noqa: E402
+from lemon.testbed.plots import write_report
+from lemon.testbed.warm import warm_start_adapter
 
 
 def _value(v: str):

@@ -5,13 +5,13 @@ what crosses a session boundary is small text: the SFT corpus (both arms rebuild
 adapter's sha256 is checked against the first leg's), each arm's training record (metrics, rollouts) and each trained
 policy's greedy specs for the evaluation and dev questions (a spec is ~150 tokens of YAML). Executing specs on the
 workers, the baselines and the comparison need no adapter and run in any later leg, resumably. The logic lives in
-lemon.study.duel; this script is its command line.
+experiments.duel.legs; this script is its command line.
 
-    .venv/bin/python bench/duel.py train --arm cf       # leg 1: SFT corpus + warm start, 10 CF-GRPO steps, greedy specs
-    .venv/bin/python bench/duel.py train --arm global   # leg 2: the same warm start (from the committed corpus), lambda = 0
-    .venv/bin/python bench/duel.py status               # what is done, what is missing, and the command for each
+    .venv/bin/python -m experiments.duel train --arm cf       # leg 1: SFT corpus + warm start, 10 CF-GRPO steps, greedy specs
+    .venv/bin/python -m experiments.duel train --arm global   # leg 2: the same warm start (from the committed corpus), lambda = 0
+    .venv/bin/python -m experiments.duel status               # what is done, what is missing, and the command for each
     # a training-curve replicate in its own folders (global options go before the command):
-    .venv/bin/python bench/duel.py --seed 1 --steps 6 --dev-steps '' --work outputs/duel-cpu-seed1 \
+    .venv/bin/python -m experiments.duel --seed 1 --steps 6 --dev-steps '' --work outputs/duel-cpu-seed1 \
         --ref outputs/reference/duel-cpu-seed1-20261204 train --arm cf --no-specs
 """
 from __future__ import annotations
@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemon.study.duel import (ARMS, POLICIES, DuelConfig, adapter_sha, log_event, run_method,  # noqa: E402
+from experiments.duel.legs import (ARMS, POLICIES, DuelConfig, adapter_sha, log_event, run_method,
                               train_arm, write_specs)
 
 
@@ -76,11 +74,11 @@ def main(argv=None) -> int:
         finally:
             pool.close()
     elif a.cmd == "status":
-        from lemon.study.duel_report import missing
-        for m in missing(d) or ["nothing missing: run `bench/duel.py report`"]:
+        from experiments.duel.report import missing
+        for m in missing(d) or ["nothing missing: run `experiments/duel/ report`"]:
             print(f"[duel] {m}")
     elif a.cmd == "report":
-        from lemon.study.duel_report import report
+        from experiments.duel.report import report
         print(f"[duel] summary: {report(d, prompts)}")
     return 0
 

@@ -97,7 +97,7 @@ def cpu_id() -> str:
 
 
 def cli(d: DuelConfig) -> str:
-    """The command line that addresses this comparison: `bench/duel.py` plus the global options that differ from the
+    """The command line that addresses this comparison: `experiments/duel/` plus the global options that differ from the
     default config (so the commands printed by status and the report are right for a replicate too)."""
     dflt, opts = DuelConfig(), []
     for name, flag in (("seed", "--seed"), ("steps", "--steps"), ("work", "--work"), ("ref", "--ref")):
@@ -105,7 +105,7 @@ def cli(d: DuelConfig) -> str:
             opts.append(f"{flag} {getattr(d, name)}")
     if d.dev_steps != dflt.dev_steps:
         opts.append(f"--dev-steps '{','.join(map(str, d.dev_steps))}'")
-    return " ".join(["bench/duel.py", *opts])
+    return " ".join(["experiments/duel/", *opts])
 
 
 def check_config(d: DuelConfig) -> None:
@@ -269,7 +269,7 @@ class ReplayWriter:
     def __init__(self, path: Path, name: str, max_agents: int):
         self.rows = {r["question_sha256"]: r for r in read_rows(path)}
         if not self.rows:
-            raise FileNotFoundError(f"{path}: no recorded specs (write them first: bench/duel.py specs)")
+            raise FileNotFoundError(f"{path}: no recorded specs (write them first: experiments/duel/ specs)")
         self.name, self.max_agents, self.path = name, max_agents, path
 
     def propose(self, task: str, domain: str, prompts, seed: int = 0):

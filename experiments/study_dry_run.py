@@ -1,9 +1,9 @@
 """A study profile's code paths at a small size, timed per stage: what a user runs before spending ~2 h on
 `scripts/main.sh --profile cpu`, and where the cpu profile's time estimate comes from.
 
-    .venv/bin/python bench/study_dry_run.py --out outputs/dry-cpu --n 3           # cpu: ~30 min on 2 idle cores
-    .venv/bin/python bench/study_dry_run.py --profile cpu-long --out outputs/dry-long --n 2   # + global, best-fixed, dev
-    .venv/bin/python bench/study_dry_run.py --profile smoke --out outputs/dry-smoke --n 1 --dev --set policy_server=true \
+    .venv/bin/python experiments/study_dry_run.py --out outputs/dry-cpu --n 3           # cpu: ~30 min on 2 idle cores
+    .venv/bin/python experiments/study_dry_run.py --profile cpu-long --out outputs/dry-long --n 2   # + global, best-fixed, dev
+    .venv/bin/python experiments/study_dry_run.py --profile smoke --out outputs/dry-smoke --n 1 --dev --set policy_server=true \
         'ablation_variants=["sft","global"]' 'eval_methods=["cot@large","best-fixed","lemon"]' fixed_dev_n=1  # cpu's paths, 135M
 
 Same stages as the notebooks (lemon.study.stages: data, SFT warm start + CF-GRPO, the training variants evaluated, every
@@ -22,12 +22,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lemon.eval.runner import read_rows  # noqa: E402
-from lemon.prompts import default_prompts  # noqa: E402
-from lemon.study import plots, stages  # noqa: E402
-from lemon.study import runner as study  # noqa: E402
+from lemon.eval.runner import read_rows
+from lemon.prompts import default_prompts
+from lemon.study import plots, stages
+from lemon.study import runner as study
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""summary.md and plots of the real-worker CF vs global comparison (lemon.study.duel), from ref/ alone: whatever legs
+"""summary.md and plots of the real-worker CF vs global comparison (experiments.duel.legs), from ref/ alone: whatever legs
 have run, it reports what exists and lists what is missing (nothing is filled in or skipped silently).
 
 Sections, most decisive first: the paired comparisons on the EVAL-pool sample (CF vs global, each vs the warm start, vs
@@ -17,7 +17,7 @@ import pandas as pd
 from lemon.study.compare import comparisons, load_rows, spec_composition
 from lemon.study.plots import md_table
 from lemon.eval.runner import read_rows
-from lemon.study.duel import ARMS, POLICIES, DuelConfig, cli, eval_dir, question_sets, spec_file, spec_points
+from experiments.duel.legs import ARMS, POLICIES, DuelConfig, cli, eval_dir, question_sets, spec_file, spec_points
 
 BASELINE_ORDER = ("cot@small", "cot@medium", "cot@large", "sc-cot@medium", "complete@medium", "prompted", "best-fixed")
 
