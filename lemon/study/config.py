@@ -11,7 +11,7 @@ from lemon.eval.orchestrator import OrchestratorConfig
 from lemon.eval.runner import EvalConfig
 from lemon.prompts import CAPACITIES
 from lemon.run.models import SHIPPED
-from lemon.study.profiles import PROFILES_FILE, ProfileError, apply_overrides, get_profile, load_profiles
+from lemon.study.profiles import PROFILES_FILE, Profile, ProfileError, apply_overrides, get_profile, load_profiles
 from lemon.train.config import TrainConfig, sft_preset, train_preset, with_workers
 from lemon.train.edits import FAMILIES
 from lemon.train.sft import SFTConfig
@@ -150,23 +150,33 @@ class StudyConfig:
                           *flat(d["sft"], "sft.")])
 
 
+def _trainer_key(key: str) -> bool:
+    """'train.FIELD' / 'sft.FIELD': a --set item for the trainer or the warm start, not for StudyConfig itself."""
+    head, dot, _ = key.partition(".")
+    return bool(dot) and head in ("train", "sft")
+
+
+def _trainer_of(p: Profile, seed: int, sets: dict, workers: str | None) -> tuple[TrainConfig, SFTConfig]:
+    """train_sft_preset for a profile already read (study_preset reads the file once)."""
+    train = apply_overrides(train_preset(p.base, seed=seed), p.train, f"profile {p.name!r}: train")
+    sft = apply_overrides(sft_preset(p.base, seed=seed), p.sft, f"profile {p.name!r}: sft")
+    if workers:
+        train, notes = with_workers(train, workers)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+    pick = lambda pre: {k[len(pre):]: v for k, v in sets.items() if k.startswith(pre)}  # noqa: E731
+    return apply_overrides(train, pick("train."), "--set train"), apply_overrides(sft, pick("sft."), "--set sft")
+
+
 def train_sft_preset(profile: str, seed: int = 0, *, sets: dict | None = None, workers: str | None = None,
                      profiles_file=PROFILES_FILE) -> tuple[TrainConfig, SFTConfig]:
     """The trainer and warm-start configs of a profile: its base presets (seeded with `seed`), the profile's train / sft
     overrides, `workers` (a --workers file replacing train.workers), then `sets` ({'train.FIELD' or 'sft.FIELD': value}).
     `python -m lemon train --profile P` and the study of P (notebook 02) train with exactly these."""
-    p = get_profile(profile, profiles_file)
-    bad = [k for k in sets or {} if k.partition(".")[0] not in ("train", "sft") or "." not in k]
+    bad = [k for k in sets or {} if not _trainer_key(k)]
     if bad:
         raise ProfileError(f"--set {bad}: trainer settings are train.FIELD or sft.FIELD (e.g. train.max_steps=8)")
-    train = apply_overrides(train_preset(p.base, seed=seed), p.train, f"profile {profile!r}: train")
-    sft = apply_overrides(sft_preset(p.base, seed=seed), p.sft, f"profile {profile!r}: sft")
-    if workers:
-        train, notes = with_workers(train, workers)
-        for n in notes:
-            print(f"note: {n}", file=sys.stderr)
-    pick = lambda pre: {k[len(pre):]: v for k, v in (sets or {}).items() if k.startswith(pre)}  # noqa: E731
-    return apply_overrides(train, pick("train."), "--set train"), apply_overrides(sft, pick("sft."), "--set sft")
+    return _trainer_of(get_profile(profile, profiles_file), seed, sets or {}, workers)
 
 
 def study_preset(profile: str, seed: int = 0, *, sets: dict | None = None, workers: str | None = None,
@@ -174,10 +184,9 @@ def study_preset(profile: str, seed: int = 0, *, sets: dict | None = None, worke
     """The study of a profile of configs/profiles.yaml: train_sft_preset's trainer and warm start, the profile's study
     overrides, then `sets` (parsed --set items: StudyConfig fields, train.FIELD, sft.FIELD), then `overrides` (StudyConfig
     fields, for code and tests)."""
-    sets = dict(sets or {})
-    nested = {k: v for k, v in sets.items() if k.partition(".")[0] in ("train", "sft") and "." in k}
-    train, sft = train_sft_preset(profile, seed, sets=nested, workers=workers, profiles_file=profiles_file)
+    sets = sets or {}
     p = get_profile(profile, profiles_file)
+    train, sft = _trainer_of(p, seed, {k: v for k, v in sets.items() if _trainer_key(k)}, workers)
     cfg = apply_overrides(StudyConfig(profile, train, sft, seed=seed), p.study, f"profile {profile!r}: study")
-    cfg = apply_overrides(cfg, {k: v for k, v in sets.items() if k not in nested}, "--set: StudyConfig")
+    cfg = apply_overrides(cfg, {k: v for k, v in sets.items() if not _trainer_key(k)}, "--set: StudyConfig")
     return replace(cfg, **overrides)
