@@ -184,6 +184,7 @@ def paired_effect(diffs, lower_is_better: bool = True) -> dict:
     d = np.asarray(list(diffs), dtype=float)
     sd = d.std(ddof=1) if len(d) > 1 else float("nan")
     w, p_w = wilcoxon_signed_rank(d)
+    better, worse = (d < 0, d > 0) if lower_is_better else (d > 0, d < 0)
     return {"n": len(d), "diff": float(d.mean()) if len(d) else float("nan"), "diff_ci": bootstrap_ci(d),
-            "dz": float(d.mean() / sd) if sd and sd == sd else float("nan"), "arm_better": int(((d < 0) if lower_is_better else (d > 0)).sum()),
-            "ref_better": int(((d > 0) if lower_is_better else (d < 0)).sum()), "ties": int((d == 0).sum()), "p_sign": sign_test(d), "W+": w, "p_wilcoxon": p_w}
+            "dz": float(d.mean() / sd) if sd and sd == sd else float("nan"), "arm_better": int(better.sum()),
+            "ref_better": int(worse.sum()), "ties": int((d == 0).sum()), "p_sign": sign_test(d), "W+": w, "p_wilcoxon": p_w}
