@@ -26,7 +26,7 @@ def test_every_profile_builds_and_lemon_train_trains_like_its_study():
         # issue 31: `lemon train --profile cpu` was 8 steps at 2e-5 while the cpu study trained 4 at 1e-4
         assert train_sft_preset(name, seed=2) == (cfg.train, cfg.sft), name
     cpu = study_preset("cpu")
-    assert (cpu.train.max_steps, cpu.train.learning_rate, cpu.sft.questions) == (4, 1e-4, 8)
+    assert (cpu.train.max_steps, cpu.train.learning_rate, cpu.sft.questions) == (6, 1e-4, 8)
     assert cpu.benchmarks == ("multiarith", "svamp", "gsm8k") and isinstance(cpu.eval_methods, tuple)
     assert study_preset("paper").eval_n is None
 
