@@ -8,7 +8,7 @@
 # study (2 questions on each of the 6 benchmarks, 9 methods, 3 trained variants; ~18 min on 2 lightly loaded cores).
 # An existing --out DIR (or --resume: the newest outputs/<profile>-*) is resumed: finished notebooks are skipped, training
 # resumes from checkpoints, evaluation from results.jsonl. Default profile: cpu (does CF-GRPO training help with the embedded
-# models? 60 paired math questions; 116 min measured on 2 idle cores, 2026-12-02).
+# models? 90 paired math questions; its measured time is in configs/profiles.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # --profile paper runs in the GPU environment (.venv-gpu: CUDA torch, unsloth, vLLM; bash scripts/setup-gpu.sh builds it), every
