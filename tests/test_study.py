@@ -94,7 +94,8 @@ def test_every_field_has_a_docstring():
                                         ({"n_agents": 2}, "tree"),
                                         ({"baseline_capacity": "huge"}, "huge"),
                                         ({"eval_methods": ("cot@huge",)}, "cot@huge"),
-                                        ({"eval_methods": ("lemon@large",)}, "lemon@large")])
+                                        ({"eval_methods": ("lemon@large",)}, "lemon@large"),
+                                        ({"eval_concurrency": 0}, "eval_concurrency")])
 def test_bad_configs_are_refused_with_the_reason(bad, match):
     with pytest.raises(ValueError, match=match):
         study.study_preset("smoke", **bad)
@@ -314,6 +315,18 @@ def test_evaluate_resumes_without_duplicate_rows(prepared):
     assert gen and gen[0]["spec"] is not None and gen[0]["method"] == "prompted"
     with pytest.raises(ValueError, match="adapter"):
         stages.evaluate(cfg, paths, "lemon", ex, pool, prompts)
+
+
+def test_evaluate_runs_the_configured_questions_in_flight(prepared, tmp_path):
+    # StudyConfig.eval_concurrency reaches every evaluation of the study (the cpu profile runs 4 in flight); an explicit
+    # argument (experiments/duel passes its own) wins.
+    cfg, paths, _ = prepared
+    ex = {"multiarith": study.load_samples(cfg, paths)["multiarith"]}
+    for conc, arg, want in ((3, None, 3), (3, 1, 1)):
+        out = tmp_path / f"c{conc}-{arg}"
+        s = stages.evaluate(dataclasses.replace(cfg, eval_concurrency=conc), paths, "cot", ex, fake_pool(), default_prompts(),
+                            progress=False, concurrency=arg, out_of=lambda b, out=out: out / b)
+        assert s[0]["concurrency"] == want and s[0]["n"] == 2
 
 
 def test_edit_effects_rows_and_resume(prepared):

@@ -92,6 +92,10 @@ class StudyConfig:
     dev_every: int = 4
     """Checkpoints evaluated on the dev set: step 0 (the warm start), every this many steps (a multiple of save_steps
     that exists), and the final adapter."""
+    eval_concurrency: int = 1
+    """Questions in flight in every evaluation of the study (lemon.eval.runner.run_eval): the llama-servers batch their
+    worker calls (4 slots each), ~1.1-1.5x the questions per minute on 2 cores (LOG.md session 7); answers are not
+    bit-identical to concurrency 1 (batch shape changes greedy replies, lemon.run.servers.DETERMINISTIC)."""
     policy_server: bool = False
     """Trained policies write their evaluation specs on llama-server (lemon.policy.served: the same F32 weights and
     llguidance greedy, token for token the transformers specs; ~9x faster for the 0.5B, bench/served_policy_bench.py)."""
@@ -113,6 +117,8 @@ class StudyConfig:
                              f"{', '.join(BASELINES + ORCHESTRATORS + (FIXED,))}, a baseline may name its capacity as "
                              f"'<baseline>@<capacity>' ({', '.join(CAPACITIES)}), e.g. 'cot@large'; fixed_candidates are "
                              f"baselines")
+        if not isinstance(self.eval_concurrency, int) or self.eval_concurrency < 1:
+            raise ValueError(f"eval_concurrency={self.eval_concurrency!r} must be an int >= 1 (questions in flight)")
         bad = [v for v in self.ablation_variants if v not in VARIANTS]
         if bad:
             raise ValueError(f"unknown ablation variants {bad}; valid: {', '.join(VARIANTS)}")

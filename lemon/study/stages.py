@@ -234,12 +234,12 @@ class LazyPolicyWriter:
 
 def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[str, list], pool, prompts, *,
              adapter: Path | None = None, out_of=None, progress: bool = True, pool_kind: str = "eval",
-             writer=None, concurrency: int = 1) -> list[dict]:
+             writer=None, concurrency: int | None = None) -> list[dict]:
     """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
     summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy).
     pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split.
     writer: a spec writer to use instead of loading `adapter` (e.g. experiments.duel.legs.ReplayWriter: recorded specs).
-    concurrency: questions in flight (lemon.eval.runner.run_eval; the servers batch them, ~1.1-1.3x on 2 cores)."""
+    concurrency: questions in flight (lemon.eval.runner.run_eval; the servers batch them); None = cfg.eval_concurrency."""
     base, cap = split_method(method)  # 'cot@large': the cot baseline at capacity large
     if base not in BASELINES and method != "prompted" and adapter is None and writer is None:
         raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter (or a spec writer)")
@@ -253,7 +253,7 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
             ecfg = EvalConfig(base if base in BASELINES else "orchestrator", b, B.POOL_SPLITS[pool_kind][b], seed=cfg.seed,
                               capacity=cap or cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
             s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
-                         examples=exs, progress=progress, concurrency=concurrency)
+                         examples=exs, progress=progress, concurrency=concurrency or cfg.eval_concurrency)
             sums.append({**s, "method": method})
     finally:
         if writer:
@@ -269,7 +269,7 @@ def pooled(sums: list[dict]) -> dict:
 
 
 def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress: bool = True,
-                 concurrency: int = 1) -> str:
+                 concurrency: int | None = None) -> str:
     """'best-fixed': run every cfg.fixed_candidates method on a seeded sample of fixed_dev_n TRAIN-pool questions per
     benchmark (select/<method>/<benchmark>, resumable) and return the most accurate (ties: fewer mean worker tokens).
     The choice, every candidate's score and the dev ids go to select/choice.json; a folder that has it is not redone."""
