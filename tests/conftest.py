@@ -2,10 +2,11 @@
 
 - a test NOT marked `slow` that takes more than FAST_LIMIT_S (setup + call + teardown) fails, naming its time;
 - the `slow`-marked tests together may take SLOW_BUDGET_S: their sum is printed at the end of every run, and a run over it
-  exits non-zero (measured on a fresh clone, idle 2-core AVX2, 2026-12-04: 561 s before the learning test's 134 s joined;
-  LOG.md session 19).
+  exits non-zero. The same 26 slow tests took 528 s on an idle 2-core AVX2 AMD EPYC (fresh clone of 7bf40c0, LOG.md
+  session 22) and 774 s on CI's 2-core Intel Xeon (AVX-512/AMX, 2026-12-06: the notebook study 307 s vs 208 s), so the
+  budget is 15 min: with the ~5 min of fast tests the suite stays under README's ~25-min goal on the slower machine.
 
-Both limits are for an idle 2-core machine (AVX2 only, the slowest kind CI runs on). A machine busy with other jobs can
+Both limits are for an idle 2-core machine of the slowest kind CI runs on (the Xeon above, not the EPYC). A machine busy with other jobs can
 push a test over them: `LEMON_TEST_BUDGET=off` turns both checks into warnings for such a run (never set in .ci/run).
 Long runs belong in bench/ or experiments/ (README names them), with a small expected-number version here.
 """
@@ -14,7 +15,7 @@ import os
 import pytest
 
 FAST_LIMIT_S = 90.0
-SLOW_BUDGET_S = 12 * 60.0
+SLOW_BUDGET_S = 15 * 60.0
 ENFORCE = os.environ.get("LEMON_TEST_BUDGET", "on").lower() not in ("off", "0", "no", "false")
 
 _slow_total: dict[str, float] = {}

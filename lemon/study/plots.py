@@ -270,9 +270,11 @@ def write_summary(cfg, paths) -> Path:
     if sft_p.exists() and tr_p.exists():
         sft, m = json.loads(sft_p.read_text()), read_metrics(root / "train" / "grpo" / "metrics.jsonl")
         last = m.iloc[-1].to_dict() if len(m) else {}
+        probed = (f"valid-spec rate {sft['valid_before']['rate']:.2f} -> {sft['valid_after']['rate']:.2f} (greedy, "
+                  f"n={sft['valid_after']['n']} train-pool questions)" if sft["valid_after"]["n"] else
+                  "valid-spec rate not probed (sft.probe_questions = 0; the `sft` evaluation below measures it)")
         md += ["## Training (notebook 02)", "",
-               f"SFT warm start: {sft['rows']} corpus rows; valid-spec rate {sft['valid_before']['rate']:.2f} -> "
-               f"{sft['valid_after']['rate']:.2f} (greedy, n={sft['valid_after']['n']} train-pool questions). CF-GRPO: "
+               f"SFT warm start: {sft['rows']} corpus rows; {probed}. CF-GRPO: "
                f"{len(m)} logged steps on {cfg.train.train_questions} train-pool questions ({', '.join(cfg.train.benchmarks)}), "
                f"G={cfg.train.num_generations}, cf_lambda={cfg.train.cf_lambda}; last step reward "
                f"{last.get('reward', float('nan')):.3f}, valid rate {last.get('spec/valid_rate', float('nan')):.2f}. "
@@ -282,7 +284,9 @@ def write_summary(cfg, paths) -> Path:
         md += ["## Main results (notebook 04)", "",
                f"Accuracy [95% Wilson CI] · mean worker tokens per question, on the EVAL pools ({splits}); "
                f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}; a column header gives split and n); "
-               f"baselines at capacity `{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); "
+               # the default capacity only matters for baselines named without `@capacity`
+               + (f"baselines at capacity `{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); "
+                  if any("@" not in m and m not in ("lemon", "prompted") for m in cfg.eval_methods) else "") +
                f"`prompted` = the untrained orchestrator ({cfg.orchestrator_capacity} worker writes the spec), `lemon` = the "
                f"trained policy; {models}.", "", md_table(wide_table(t, cfg.eval_methods, cfg.benchmarks)), "",
                f"Macro average over the {len(cfg.benchmarks)} benchmarks (n = questions in all; orchestrator_tokens = tokens "
@@ -291,8 +295,9 @@ def write_summary(cfg, paths) -> Path:
     a = ablation_table(root, cfg.ablation_variants, cfg.ablation_benchmarks)
     if not a.empty:
         md += ["## Ablation: training variants (notebook 03, paper Table 2 shape)", "",
-               f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start (seed {cfg.train.seed}; "
-               "`sft` = that warm start, no steps); "
+               (f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start (seed {cfg.train.seed}; "
+                "`sft` = that warm start, no steps); " if set(cfg.ablation_variants) - {"sft"} else
+                "`sft` = notebook 02's SFT warm start (no CF-GRPO step), ") +
                f"evaluated on n = {cfg.ablation_n} EVAL-pool questions per benchmark "
                f"({', '.join(b + ' ' + B.POOL_SPLITS['eval'][b] for b in cfg.ablation_benchmarks)}); "
                f"{models}.", "", md_table(a), ""]
