@@ -436,3 +436,28 @@ def test_dev_curves_evaluate_each_runs_checkpoints_on_held_out_train_questions(t
     assert json.loads((paths.root / "dev" / "curves.json").read_text()) == rows
     with pytest.raises(ValueError, match="multiple of train.save_steps"):
         study.study_preset("cpu", dev_n=1, dev_every=3)
+
+
+def test_summary_captions_say_what_ran(tmp_path):
+    """The cpu profile runs no SFT probes, only @capacity baselines and an sft-only ablation, and no edit effects: the
+    summary must not caption what did not run (it once printed 'valid-spec rate 0.00 -> 0.00 (n=0)')."""
+    cfg = study.study_preset("cpu")
+    paths = study.StudyPaths(tmp_path)
+    study.write_config(cfg, paths)
+    for m in cfg.eval_methods:
+        for b in cfg.benchmarks:
+            _write(paths.eval_dir(m, b), [_row(0, m, b, True, 100)])
+    for b in cfg.ablation_benchmarks:
+        _write(paths.variant("sft") / "eval" / b, [_row(0, "sft", b, False, 300)])
+    (paths.root / "train" / "sft").mkdir(parents=True)
+    (paths.root / "train" / "sft" / "sft.json").write_text(json.dumps(
+        {"rows": 5, "valid_before": {"rate": 0.0, "n": 0}, "valid_after": {"rate": 0.0, "n": 0}}))
+    (paths.root / "train" / "grpo").mkdir(parents=True)
+    (paths.root / "train" / "grpo" / "train.json").write_text("{}")
+    (paths.root / "train" / "grpo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    md = plots.write_summary(cfg, paths).read_text()
+    assert "valid-spec rate not probed" in md and "0.00 -> 0.00" not in md
+    assert "baselines at capacity" not in md  # cot@large names its capacity
+    assert "`sft` = notebook 02's SFT warm start (no CF-GRPO step)" in md and "CF-GRPO step(s) from" not in md
+    fig = plots.edit_heatmap(plots.edit_table([]))
+    assert [t.get_text() for ax in fig.axes for t in ax.texts] == ["no edits measured in this study"] * 2

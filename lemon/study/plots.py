@@ -165,6 +165,9 @@ def edit_heatmap(e: pd.DataFrame):
             lim = 1.0 if col == "d_accuracy" else max(1.0, float(piv.abs().max().max()))
             sns.heatmap(piv, annot=True, fmt=fmt, cmap=cmap, vmin=-lim, vmax=lim, ax=ax)
             ax.tick_params(axis="y", rotation=0)
+        else:  # say so rather than save two empty frames (e.g. the cpu profile measures no edit effects: edit_n = 0)
+            ax.text(0.5, 0.5, "no edits measured in this study", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
         ax.set_title(f"{col} (edited - original)")
     fig.tight_layout()
     return fig
