@@ -1,5 +1,7 @@
 """Spec inspector, headless: build it, drive the controls programmatically, check what it renders and keeps."""
 import hashlib
+import io
+import warnings
 
 import pytest
 from matplotlib.colors import to_rgba
@@ -153,6 +155,20 @@ def test_errors_in_callbacks_are_shown_not_raised():
     assert insp.result_out.outputs[0]["data"]["text/html"] == insp.last_html["result"]
     with pytest.raises(ValueError):
         insp.apply_edit()  # called directly, it raises
+
+
+def test_draw_spec_a_lone_agent_is_a_box_not_a_sliver():
+    """A trained policy that writes one agent (the cpu main job's) was drawn as a tall sliver with its label spilling out,
+    and constrained layout gave up ('axes sizes collapsed to zero'): the figure is legend-wide and the aspect equal."""
+    one = spec_from_dict({"agents": [{"id": "a1", "base_role": "solver", "role": "Solving the problem step by step",
+                                      "duty": "Solve it.", "capacity": "large"}]})
+    fig = draw_spec(one)
+    fig.suptitle("lemon · multiarith multiarith/test/173 · correct=True · 240 tok", fontsize=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig.savefig(io.BytesIO(), format="png")
+    box = next(p for p in fig.axes[0].patches if p.get_gid() == "agent:a1").get_window_extent()
+    assert box.width > 2 * box.height  # BOX_W / BOX_H = 1.5 / 0.62 in data units
 
 
 def test_draw_spec_one_node_per_agent_coloured_by_capacity():

@@ -39,7 +39,8 @@ def draw_spec(spec: Spec, ax=None, trace: Trace | None = None) -> Figure:
     each node is annotated with its tokens and cache hit. Uses a bare Figure (not pyplot) so no global figure registry leaks."""
     levels = spec.levels()
     if ax is None:
-        fig = Figure(figsize=(1.0 + 2.2 * len(levels), 1.3 + 0.95 * max(map(len, levels))), layout="constrained")
+        # at least legend-wide (5 entries); equal aspect below keeps a lone box from being squeezed into a sliver
+        fig = Figure(figsize=(max(4.8, 1.0 + 2.2 * len(levels)), 1.3 + 0.95 * max(map(len, levels))), layout="constrained")
         ax = fig.add_subplot()
     fig = ax.figure
     pos = {aid: (x * DX, (len(lvl) - 1) / 2 - i) for x, lvl in enumerate(levels) for i, aid in enumerate(lvl)}
@@ -69,6 +70,7 @@ def draw_spec(spec: Spec, ax=None, trace: Trace | None = None) -> Figure:
     ax.set_xlim(-BOX_W / 2 - 0.2, (len(levels) - 1) * DX + BOX_W / 2 + 0.2)
     top = (max(map(len, levels)) - 1) / 2
     ax.set_ylim(-top - BOX_H / 2 - 0.35, top + BOX_H / 2 + 0.1)
+    ax.set_aspect("equal", adjustable="box")
     ax.axis("off")
     handles = [Patch(facecolor=CAPACITY_COLORS[c], edgecolor="#555555", label=c) for c in CAPACITIES]
     handles += [Patch(facecolor="white", edgecolor="black", linewidth=2.8, label="final"),
