@@ -6,8 +6,9 @@
   session 22) and 774 s on CI's 2-core Intel Xeon (AVX-512/AMX, 2026-12-06: the notebook study 307 s vs 208 s), so the
   budget is 15 min: with the ~5 min of fast tests the suite stays under README's ~25-min goal on the slower machine.
 
-Both limits are for an idle 2-core machine of the slowest kind CI runs on (the Xeon above, not the EPYC). A machine busy with other jobs can
-push a test over them: `LEMON_TEST_BUDGET=off` turns both checks into warnings for such a run (never set in .ci/run).
+Both limits are for an idle 2-core machine of the slowest kind CI runs on (the Xeon above, not the EPYC). A machine busy
+with other jobs can push a test over them: `LEMON_TEST_BUDGET=off` turns both checks into warnings for such a run (never
+set in .ci/run).
 Long runs belong in bench/ or experiments/ (README names them), with a small expected-number version here.
 """
 import os

@@ -248,7 +248,7 @@ def test_tables_and_summary_from_results(tmp_path):
     md = plots.write_summary(cfg, paths).read_text()
     assert "## Learning curves" in md and "| lemon | 2 | 6 | 0.750 | 99.000 |" in md
     for needle in ("## Main results", "| method | gsm8k (test, n=2) | mmlu (validation, n=2) |", "| cot | 0.50 [0.09, 0.91] · 100 |", "## Ablation",
-                   "| variant |", "## Edit effects", "seed 0", "smollm2-135m", "gsm8k test", "mmlu validation"):
+                   "| variant |", "## Edit effects", "seed 0", "baselines at capacity `medium`", "smollm2-135m", "gsm8k test", "mmlu validation"):
         assert needle in md, needle
     # the paired answer comes first: lemon vs the 1-step global variant on the question both saw, and vs each baseline
     assert md.index("## Does training help?") < md.index("## Data pools")

@@ -8,9 +8,11 @@ from pathlib import Path
 import pandas as pd
 
 from lemon import benchmarks as B
+from lemon.eval.baselines import BASELINES
 from lemon.eval.runner import read_rows, summarize
 from lemon.prompts import default_prompts
 from lemon.study.compare import policy_specs, spec_composition, study_comparisons
+from lemon.study.config import split_method
 from lemon.study.paths import StudyPaths
 from lemon.train.edits import REGISTRY
 
@@ -289,7 +291,7 @@ def write_summary(cfg, paths) -> Path:
                f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}; a column header gives split and n); "
                # the default capacity only matters for baselines named without `@capacity`
                + (f"baselines at capacity `{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); "
-                  if any("@" not in m and m not in ("lemon", "prompted") for m in cfg.eval_methods) else "") +
+                  if any(split_method(m) in ((b, None) for b in BASELINES) for m in cfg.eval_methods) else "") +
                f"`prompted` = the untrained orchestrator ({cfg.orchestrator_capacity} worker writes the spec), `lemon` = the "
                f"trained policy; {models}.", "", md_table(wide_table(t, cfg.eval_methods, cfg.benchmarks)), "",
                f"Macro average over the {len(cfg.benchmarks)} benchmarks (n = questions in all; orchestrator_tokens = tokens "

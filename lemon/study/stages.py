@@ -253,7 +253,7 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
             ecfg = EvalConfig(base if base in BASELINES else "orchestrator", b, B.POOL_SPLITS[pool_kind][b], seed=cfg.seed,
                               capacity=cap or cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
             s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
-                         examples=exs, progress=progress, concurrency=concurrency or cfg.eval_concurrency)
+                         examples=exs, progress=progress, concurrency=cfg.eval_concurrency if concurrency is None else concurrency)
             sums.append({**s, "method": method})
     finally:
         if writer:
