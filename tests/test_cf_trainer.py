@@ -41,13 +41,15 @@ DELTA, FLOOR, REWARD = 1.0, 0.1, 0.5
 class _Rollouts:
     """What lemon.train.episodes.SpecRollouts gives the trainer (TRL's rollout_func + the scored records of the step)."""
 
-    def __init__(self, tok, lam: float):
+    def __init__(self, tok, lam: float, forced: tuple = ()):
+        self.mask_forced = bool(forced)
         self.tok, self.cf_lambda, self.scale_rewards, self.std_floor, self.curriculum_ids = tok, lam, "batch", FLOOR, None
         self.scorer = SimpleNamespace(reward_cfg=RewardConfig(), sampler=FamilySampler(), cache=NodeCache())
         br = RewardBreakdown(total=REWARD, success=1.0, token_efficiency=0.5, graph_cost=0.0, valid=True, worker_tokens=10)
         self.batch = [Rollout("q", "spec", tuple(c), 0, True, None, br, agents=2, edges=1) for c in COMPLETIONS]
         self.batch[0].family, self.batch[0].delta, self.batch[0].cf_status = "capacity", DELTA, "ok"
         self.batch[0].span_positions = SPAN
+        self.batch[0].forced_positions = forced
         self.last_stats = {}
         self.calls = 0
 
@@ -98,7 +100,7 @@ def _reference_grads(model, prompt_ids, positions_of, max_grad_norm):
     return {n: g * coef for n, g in zip(params, grads)}
 
 
-def _train_one_step(tmp_path, lam: float, compact: bool = False):
+def _train_one_step(tmp_path, lam: float, compact: bool = False, forced: tuple = ()):
     """Build the real CF-GRPO trainer (lemon.train.grpo.trainer_class, reward_functions) on the tiny policy and run
     Trainer.train for one step; returns (model before the step's LoRA weights, gradients at the optimizer step, after)."""
     from datasets import Dataset
@@ -106,7 +108,7 @@ def _train_one_step(tmp_path, lam: float, compact: bool = False):
     from trl import GRPOConfig
     from lemon.train.grpo import reward_functions, trainer_class
     model, tok = _policy(tmp_path / "tiny")
-    rollouts = _Rollouts(tok, lam)
+    rollouts = _Rollouts(tok, lam, forced)
     funcs, weights = reward_functions(rollouts)
     args = GRPOConfig(output_dir=str(tmp_path / f"grpo-{lam}"), max_steps=1, learning_rate=1e-2,
                       per_device_train_batch_size=len(COMPLETIONS), gradient_accumulation_steps=1,
@@ -184,3 +186,20 @@ def test_completion_only_lm_head_is_scoped_and_cpu_only():
         assert on and U._use_triton(torch.device("cpu")) is True
         assert U._use_triton(torch.device("meta")) == real(torch.device("meta"))  # other devices: trl's own answer
     assert U._use_triton is real
+
+
+def test_grammar_forced_tokens_carry_no_advantage(tmp_path):
+    """Rollout 0's span has two positions the grammar forced (one allowed token): with the trainer's forced-token mask on,
+    the step's gradient is the reference over the span's OTHER positions only (lemon.train.grpo.forced_mask)."""
+    tiny_model(tmp_path / "tiny")
+    forced = (3, 4)
+    trainer, rollouts, before, grads, _ = _train_one_step(tmp_path, 1.0, forced=forced)
+    model, _ = _policy(tmp_path / "tiny")
+    pids, clip = rollouts.prompt_ids(), trainer.args.max_grad_norm
+    free = _reference_grads(model, pids, lambda i: [t for t in SPAN if t not in forced] if i == 0 else (), clip)
+    span = _reference_grads(model, pids, lambda i: SPAN if i == 0 else (), clip)
+    flat = lambda gs: torch.cat([gs[n].flatten() for n in sorted(gs)])  # noqa: E731
+    got = flat(grads)
+    assert got.abs().max() > 1e-4
+    assert torch.allclose(got, flat(free), rtol=1e-4, atol=1e-7), (got - flat(free)).abs().max()
+    assert not torch.allclose(flat(span), flat(free), rtol=1e-2, atol=1e-5)  # the mask is visible in the gradient

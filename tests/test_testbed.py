@@ -162,10 +162,11 @@ def _subsets(items):
 
 
 def brute_force(world, example, cfg, max_agents, roles=tuple(ROLE_OF.values())):
-    """max expected reward over EVERY spec of <= max_agents agents: any base role in `roles`, duty default or customized,
-    any capacity, any dependencies, any final. Memoized on (agents that run, agent / edge / unreachable counts), which
-    is everything the executor and the graph cost read."""
-    variants = [(r, cap, custom) for r in roles for cap in CAPACITIES for custom in (False, True)]
+    """max expected reward over EVERY spec of <= max_agents agents: any base role in `roles`, a duty that is the default,
+    one the world rewards or one it does not (lemon.testbed.sim.duty_effect: 'Refine it.' names both 're' and 'in', 'Be
+    brief.' neither), any capacity, any dependencies, any final. Memoized on (agents that run, agent / edge / unreachable
+    counts), which is everything the executor and the graph cost read."""
+    variants = [(r, cap, duty) for r in roles for cap in CAPACITIES for duty in (None, "Refine it.", "Be brief.")]
     default = P.roles_for(None)
     best, memo = float("-inf"), {}
     for n in range(1, max_agents + 1):
@@ -179,7 +180,7 @@ def brute_force(world, example, cfg, max_agents, roles=tuple(ROLE_OF.values())):
                             live.update(deps[i])
                     key = (tuple((KIND_OF[vs[i][0]], vs[i][1:], deps[i]) for i in sorted(live)), n, edges, n - len(live))
                     if key not in memo:
-                        agents = tuple(Agent(f"a{i + 1}", r, "R", "Custom duty." if cu else default[r], cap,
+                        agents = tuple(Agent(f"a{i + 1}", r, "R", cu or default[r], cap,
                                              tuple(f"a{j + 1}" for j in d)) for i, ((r, cap, cu), d) in enumerate(zip(vs, deps)))
                         memo[key] = world.expected_reward(Spec(agents, f"a{f + 1}"), example, cfg)
                     best = max(best, memo[key])

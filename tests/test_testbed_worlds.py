@@ -71,3 +71,54 @@ def test_mixed_world_needs_a_policy_that_reads_the_question():
     assert {t: round(o.expected_reward, 4) for t, o in optima.items()} == {"specialist": 1.0894, "general": 1.0793}
     assert regret == pytest.approx(0.2973, abs=1e-4)
     assert regret > 0.15  # issue 30: the best single fixed spec is far from the per-type optimum
+
+
+def _duty_spec(duty: str):
+    return parse_spec(f'agents:\n  - id: a1\n    base_role: solver\n    role: "S"\n    duty: "{duty}"\n    capacity: large\n'
+                      f'    depends_on: []\nfinal: a1\n', base_roles=P.roles_for("math"))
+
+
+def test_a_duty_pays_only_when_it_names_what_the_world_rewards_so_role_edits_cut_both_ways():
+    """The duty world rewards a solver duty naming 're'; the default duty is neutral; any other customized duty costs. So
+    the role edit (m_R: duty -> the base role's default) has a NEGATIVE delta on a duty that names nothing (under the old
+    rule every customized duty paid and no m_R delta was ever negative)."""
+    world = duty_world(P, n=5)
+    reward, caps = _setup(world)
+    ex = world.examples()[0]
+    named, off, default = _duty_spec("Prepare it"), _duty_spec("Be brief"), _duty_spec(P.default_duty("solver"))
+    p = {k: world.evaluate(s, ex, reward, caps).p_success for k, s in
+         {"named": named, "off": off, "default": default}.items()}
+    assert p == pytest.approx({"named": 0.85, "off": 0.05, "default": 0.25})
+    deltas = {}
+    for name, spec in (("named", named), ("off", off)):
+        (site,) = eligible_sites(spec, "role", P)
+        edited = apply_edit(spec, "role", site, P).spec
+        deltas[name] = world.expected_reward(spec, ex, reward, caps) - world.expected_reward(edited, ex, reward, caps)
+    assert deltas["named"] > 0.1 and deltas["off"] < -0.05, deltas
+
+
+def test_the_simulated_workers_read_a_duty_as_the_exact_evaluation_does():
+    """The executor on the SIMULATED pool (what sampled scoring runs) and SimWorld.evaluate agree on each duty's effect:
+    the mean success of 400 seeded executions is within 4 standard errors of the exact probability."""
+    from lemon.benchmarks import get_benchmark
+    from lemon.run.executor import execute
+    world = duty_world(P, n=5)
+    reward, caps = _setup(world)
+    ex, pool = world.examples()[0], world.pool()
+    for duty in ("Prepare it", "Be brief", P.default_duty("solver")):
+        spec = _duty_spec(duty)
+        p = world.evaluate(spec, ex, reward, caps).p_success
+        got = sum(execute(spec, ex, get_benchmark("gsm8k"), pool, prompts=P, caps=caps, seed=k).score
+                  for k in range(400)) / 400
+        assert abs(got - p) < 4 * (p * (1 - p) / 400) ** 0.5 + 1e-9, (duty, got, p)
+
+
+def test_sim_config_round_trips_and_old_records_read_back_with_the_lenient_rule():
+    from lemon.testbed.sim import SimConfig, duty_effect
+    cfg = duty_world(P, n=5).config
+    assert SimConfig.from_dict(cfg.to_dict()) == cfg
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("duty_words", "off_duty_penalty")}
+    legacy = SimConfig.from_dict(old)
+    assert duty_effect("solve", "Be brief", P.default_duty("solver"), legacy) == 1  # any customized duty paid
+    with pytest.raises(ValueError, match="duty_words"):
+        SimConfig(types=cfg.types, benchmark_type=cfg.benchmark_type, duty_words={"solve": ("RE",)})

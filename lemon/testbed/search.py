@@ -40,16 +40,29 @@ CUSTOM_DUTY = {"solve": "Work out every quantity of this task step by step and c
                "note": "List the sub-steps needed to solve this task, without solving it."}
 
 
-def spec_of(nodes: list[Node], prompts: Prompts) -> Spec:
-    """A real Spec with this structure: ids a1..an, final = the last agent (no text; parse its to_yaml() for one)."""
+def spec_of(nodes: list[Node], prompts: Prompts, config: SimConfig | None = None) -> Spec:
+    """A real Spec with this structure: ids a1..an, final = the last agent (no text; parse its to_yaml() for one). A node's
+    duty effect picks its duty: the default (0), a customized duty naming the first of `config`'s words for its kind (+1),
+    or one naming none of them (-1)."""
     agents = []
     for i, n in enumerate(nodes):
         role = ROLE_OF.get(n.kind)
         if role is None:
             raise ValueError(f"no representative base role for kind {n.kind!r}")
-        duty = CUSTOM_DUTY[n.kind] if n.custom else prompts.default_duty(role)
+        words = (config.duty_words.get(n.kind) if config is not None else None) or ()
+        duty = prompts.default_duty(role) if not n.custom else CUSTOM_DUTY[n.kind]
+        if n.custom and words and n.custom > 0 and not any(w in duty.lower() for w in words):
+            duty = f"{words[0].capitalize()} - {duty}"
+        elif n.custom and n.custom < 0:
+            if config is not None and any(w in OFF_DUTY.lower() for ws in config.duty_words.values() for w in ws):
+                raise ValueError(f"OFF_DUTY {OFF_DUTY!r} names a word this world rewards: a -1 node cannot be written")
+            duty = OFF_DUTY
         agents.append(Agent(f"a{i + 1}", role, f"{role.title()} {i + 1}", duty, n.cap, tuple(f"a{j + 1}" for j in n.deps)))
     return Spec(tuple(agents), agents[-1].id)
+
+
+# a customized duty that names nothing a world rewards (spec_of checks it holds no word of the world's lists)
+OFF_DUTY = "Be brief."
 
 
 def _reaches_final(nodes: list[Node]) -> bool:

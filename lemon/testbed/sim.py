@@ -19,7 +19,11 @@ Behaviour of an agent, by the kind of its base role (math domain; any other base
 | note  | planner, extractor             | N; a solve agent that reads a note is `noted` (helps where plan_bonus > 0).      |
 | idle  | any other base role            | N.                                                                               |
 
-custom = the duty differs from the base role's default duty (what the m_R edit rolls back). vote = C when more than half of
+custom (the duty's effect, `duty_effect`): 0 for the base role's default duty (what the m_R edit rolls back to); for a
+customized duty, +1 when the world rewards what it says, else -1. A world that lists words for a kind (SimConfig.duty_words)
+rewards a duty of that kind only when it names one of them (case-insensitive): the bonus above for +1, minus
+off_duty_penalty for -1, so rolling a duty back can raise reward or lower it and a policy has something to learn in the
+text. A kind without words keeps the lenient rule (any customized duty is +1), which made every m_R delta >= 0. vote = C when more than half of
 the answering parents are C, W when fewer, a fair coin on a tie. The task type comes from the example's benchmark (e.g.
 MultiArith easy, GSM8K hard): the orchestrator can only tell them apart by the question's style (no explicit tag).
 Tokens (independent of outcomes): completion = completion_tokens[cap]; prompt = prompt_tokens + the completion tokens of
@@ -111,6 +115,11 @@ class SimConfig:
     """capacity -> completion tokens of every reply (under the cpu preset's caps 192 / 256 / 320)."""
     prompt_tokens: int = 400
     """Prompt tokens of a call before the parents' replies are added (system + task + duty; the real ones are ~360-420)."""
+    duty_words: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """kind -> lower-case words one of which a customized duty of that kind must contain to pay its bonus; kinds not listed
+    pay for any customized duty (the lenient rule)."""
+    off_duty_penalty: float = 0.0
+    """Subtracted from p (solve) or q (check) when a listed kind's customized duty names none of its words."""
 
     def __post_init__(self):
         object.__setattr__(self, "types", MappingProxyType(dict(self.types)))
@@ -128,20 +137,50 @@ class SimConfig:
                 or self.prompt_tokens < 1:
             raise ValueError(f"completion_tokens (one positive int per capacity) and prompt_tokens must be positive ints")
         object.__setattr__(self, "completion_tokens", MappingProxyType(toks))
+        words = {k: tuple(v) for k, v in dict(self.duty_words).items()}
+        bad = [k for k, v in words.items() if k not in ("solve", "check") or not v
+               or not all(isinstance(w, str) and w and w == w.lower().strip() for w in v)]
+        if bad:
+            raise ValueError(f"duty_words for kinds {bad}: keys must be 'solve' or 'check' (the kinds a duty bonus acts on), "
+                             "values non-empty tuples of lower-case words")
+        object.__setattr__(self, "duty_words", MappingProxyType(words))
+        if not 0.0 <= self.off_duty_penalty <= 1.0:
+            raise ValueError(f"off_duty_penalty={self.off_duty_penalty} must be in [0, 1]")
 
     def to_dict(self) -> dict:
         return {"types": {k: {"p_solve": dict(t.p_solve), "plan_bonus": t.plan_bonus} for k, t in self.types.items()},
                 "benchmark_type": dict(self.benchmark_type), "q_fix": dict(self.q_fix),
                 "solve_duty_bonus": self.solve_duty_bonus, "check_duty_bonus": self.check_duty_bonus,
-                "completion_tokens": dict(self.completion_tokens), "prompt_tokens": self.prompt_tokens}
+                "completion_tokens": dict(self.completion_tokens), "prompt_tokens": self.prompt_tokens,
+                "duty_words": {k: list(v) for k, v in self.duty_words.items()}, "off_duty_penalty": self.off_duty_penalty}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SimConfig":
+        """The inverse of to_dict. A record written before duty_words existed reads back with the lenient rule."""
+        return cls(types={k: TaskType(v["p_solve"], v.get("plan_bonus", 0.0)) for k, v in d["types"].items()},
+                   benchmark_type=d["benchmark_type"], q_fix=d["q_fix"], solve_duty_bonus=d["solve_duty_bonus"],
+                   check_duty_bonus=d["check_duty_bonus"], completion_tokens=d["completion_tokens"],
+                   prompt_tokens=d["prompt_tokens"], duty_words={k: tuple(v) for k, v in d.get("duty_words", {}).items()},
+                   off_duty_penalty=d.get("off_duty_penalty", 0.0))
+
+
+def duty_effect(kind: str, duty: str, default_duty: str, cfg: SimConfig) -> int:
+    """0 for the default duty; +1 for a customized duty the world rewards; -1 for one it does not (see the docstring)."""
+    if duty == default_duty:
+        return 0
+    words = cfg.duty_words.get(kind)
+    if words is None:
+        return 1
+    low = duty.lower()
+    return 1 if any(w in low for w in words) else -1
 
 
 class Node(NamedTuple):
-    """What the model sees of one agent: kind, capacity, customized duty, and its parents (indices of earlier nodes)."""
+    """What the model sees of one agent: kind, capacity, its duty's effect, and its parents (indices of earlier nodes)."""
 
     kind: str
     cap: str
-    custom: bool
+    custom: int  # duty_effect: -1, 0 or +1 (True / False read as +1 / 0)
     deps: tuple[int, ...] = ()
 
 
@@ -158,15 +197,20 @@ def outcome_dist(node: Node, parents: list[tuple[str, str]], ttype: TaskType, cf
     """P(state) of one agent given its parents' (kind, state): the table in the module docstring, in one place."""
     if node.kind == "solve":
         noted = any(k == "note" for k, _ in parents)
-        p = min(1.0, max(0.0, ttype.p_solve[node.cap] + cfg.solve_duty_bonus * node.custom + ttype.plan_bonus * noted))
+        p = min(1.0, max(0.0, ttype.p_solve[node.cap] + _duty_shift(node.custom, cfg.solve_duty_bonus, cfg)
+                         + ttype.plan_bonus * noted))
         return {C: p, W: 1.0 - p}
     if node.kind in ("check", "pass"):
         v = _vote([s for _, s in parents])
         if node.kind == "pass" or N in v:
             return v
-        q = min(1.0, cfg.q_fix[node.cap] + cfg.check_duty_bonus * node.custom)
+        q = min(1.0, max(0.0, cfg.q_fix[node.cap] + _duty_shift(node.custom, cfg.check_duty_bonus, cfg)))
         return {C: v[C] + v[W] * q, W: v[W] * (1.0 - q)}
     return {N: 1.0}
+
+
+def _duty_shift(effect: int, bonus: float, cfg: SimConfig) -> float:
+    return bonus if effect > 0 else -cfg.off_duty_penalty if effect < 0 else 0.0
 
 
 def final_distribution(nodes: list[Node], ttype: TaskType, cfg: SimConfig) -> dict[str, float]:
@@ -222,9 +266,15 @@ class AgentView(NamedTuple):
 
     task: str
     kind: str
-    custom: bool
+    duty: str
+    base_duty: str  # the base role's default duty (duty_effect compares against it)
     final: bool
     parents: list[tuple[str, str, str]]  # (kind, state, cap) read from the parents' tags, in context order
+
+    @property
+    def custom(self) -> bool:
+        """The duty is not the base role's default (whether it PAYS is duty_effect's question, which needs the world)."""
+        return self.duty != self.base_duty
 
 
 class MessageReader:
@@ -253,8 +303,7 @@ class MessageReader:
         user = self.w["user"].format(task=u["task"], context=u["context"], duty=u["duty"]) + (u["suffix"] or "")
         if user != messages[1]["content"]:
             raise SimProtocolError(f"the user message does not round-trip through the worker template: {user[:80]!r}")
-        custom = u["duty"] != s["base_duty"]
-        return AgentView(u["task"], KIND_OF.get(s["base_role"], "idle"), custom, u["suffix"] is not None,
+        return AgentView(u["task"], KIND_OF.get(s["base_role"], "idle"), u["duty"], s["base_duty"], u["suffix"] is not None,
                          self._parents(u["context"]))
 
     def _parents(self, context: str) -> list[tuple[str, str, str]]:
@@ -304,7 +353,7 @@ class SimBackend:
         if params.max_tokens < n_comp:
             raise SimConfigError(f"sim-{cap}: the simulated reply is {n_comp} tokens but the call allows {params.max_tokens}; "
                                  "raise the worker token caps (SimWorld.worker_max_tokens()) or lower completion_tokens")
-        node = Node(view.kind, cap, view.custom)
+        node = Node(view.kind, cap, duty_effect(view.kind, view.duty, view.base_duty, w.config))
         dist = outcome_dist(node, [(k, s) for k, s, _ in view.parents], ttype, w.config)
         u, offset = draw(params.seed, cap, messages)
         state = pick(dist, u)

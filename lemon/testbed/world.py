@@ -18,28 +18,37 @@ from lemon.run.workers import SamplingParams, WorkerPool
 from lemon.spec import Spec, SpecError, parse_spec
 from lemon.testbed.search import check_reward_properties, search, spec_of, structures
 from lemon.testbed.sim import (KIND_OF, MessageReader, Node, SimBackend, SimConfig, SimConfigError, SimUnknownTaskError,
-                               TaskType, call_tokens, final_distribution, final_text)
+                               TaskType, call_tokens, duty_effect, final_distribution, final_text)
 from lemon.train.rewards import RewardConfig, compute_reward
+
+# What a duty must name to pay (lemon.testbed.sim.duty_effect): the testbed's worlds use letter pairs, not real words, so
+# that the random tiny policy meets them at step 0 (measured on 148 grammar-sampled random-tiny duties of 16 characters:
+# 're' in 19%, 'in' in 28%; 'solve', 'add', 'total', 'check', 'verify' in 0%): a policy then has something to find, and
+# m_R's delta has both signs. A language-model policy would be given real words ('solve', 'check').
+_WORDS = {"solve": ("re",), "check": ("in",)}
+_SOLVE_WORDS = {"solve": ("re",)}
 
 # Two task types whose optima differ (default reward): MultiArith is 'easy' (a small solver with a customized duty is right
 # every time), GSM8K is 'hard' (a large customized solver, a note, and a large checker all pay).
 TWO_TYPES = SimConfig(types={"easy": TaskType({"small": 0.85, "medium": 0.9, "large": 0.95}),
                              "hard": TaskType({"small": 0.05, "medium": 0.25, "large": 0.55}, plan_bonus=0.1)},
-                      benchmark_type={"multiarith": "easy", "gsm8k": "hard"})
+                      benchmark_type={"multiarith": "easy", "gsm8k": "hard"}, duty_words=_WORDS, off_duty_penalty=0.1)
 # One type for the test suite: the optimum (a large customized solver read by a large customized checker, success ~0.9) is
 # far from a typical warm-start spec (random capacities, chains ending in a decider: ~0.2-0.5).
 TINY = SimConfig(types={"hard": TaskType({"small": 0.05, "medium": 0.2, "large": 0.5})}, benchmark_type={"gsm8k": "hard"},
-                 q_fix={"small": 0.0, "medium": 0.2, "large": 0.6}, solve_duty_bonus=0.2, check_duty_bonus=0.1)
+                 q_fix={"small": 0.0, "medium": 0.2, "large": 0.6}, solve_duty_bonus=0.2, check_duty_bonus=0.1,
+                 duty_words=_WORDS, off_duty_penalty=0.1)
 
 
 # Worlds where a DIFFERENT spec field carries the reward (issue 30: does localized credit beat global credit when several
 # fields pay?). Replies cost the same at every capacity where capacity must not matter, so a capacity edit's contrast is 0.
 _EQ_TOKENS = {"small": 160, "medium": 160, "large": 160}
 # role / duty: capacity is irrelevant and checkers never fix anything; a solver is right 0.25 of the time with its default
-# duty and 0.85 with a customized one, any other role answers nothing. The role and duty edits pay, capacity and edges do not.
+# duty, 0.85 with a duty naming 're' and 0.05 with any other duty; any other role answers nothing. The role and duty edits
+# pay (both ways), capacity and edges do not.
 DUTY = SimConfig(types={"hard": TaskType({"small": 0.25, "medium": 0.25, "large": 0.25})}, benchmark_type={"gsm8k": "hard"},
                  q_fix={"small": 0.0, "medium": 0.0, "large": 0.0}, solve_duty_bonus=0.6, check_duty_bonus=0.0,
-                 completion_tokens=_EQ_TOKENS)
+                 completion_tokens=_EQ_TOKENS, duty_words=_SOLVE_WORDS, off_duty_penalty=0.2)
 # dependency: a solver alone is right 0.3 of the time at any capacity; a verifier READING it fixes a wrong answer with 0.9
 # (0.93 together); a verifier reading nothing answers nothing. Dropping the solver -> verifier edge is what pays.
 EDGE = SimConfig(types={"hard": TaskType({"small": 0.3, "medium": 0.3, "large": 0.3})}, benchmark_type={"gsm8k": "hard"},
@@ -51,7 +60,8 @@ EDGE = SimConfig(types={"hard": TaskType({"small": 0.3, "medium": 0.3, "large": 
 MIXED = SimConfig(types={"specialist": TaskType({"small": 0.9, "medium": 0.4, "large": 0.1}),
                          "general": TaskType({"small": 0.1, "medium": 0.4, "large": 0.9})},
                   benchmark_type={"multiarith": "specialist", "gsm8k": "general"},
-                  q_fix={"small": 0.3, "medium": 0.3, "large": 0.3}, solve_duty_bonus=0.05, check_duty_bonus=0.0)
+                  q_fix={"small": 0.3, "medium": 0.3, "large": 0.3}, solve_duty_bonus=0.05, check_duty_bonus=0.0,
+                  duty_words=_SOLVE_WORDS, off_duty_penalty=0.05)
 
 
 @dataclass(frozen=True)
@@ -156,8 +166,9 @@ class SimWorld:
         live = spec.ancestors(spec.final) | {spec.final}
         order = [a for a in spec.agents if a.id in live and a.id != spec.final] + [spec.agent(spec.final)]
         index = {a.id: i for i, a in enumerate(order)}
-        return [Node(KIND_OF.get(a.base_role, "idle"), a.capacity, a.duty != self._default_duty[a.base_role],
-                     tuple(index[d] for d in a.depends_on)) for a in order]
+        kinds = [KIND_OF.get(a.base_role, "idle") for a in order]
+        return [Node(k, a.capacity, duty_effect(k, a.duty, self._default_duty[a.base_role], self.config),
+                     tuple(index[d] for d in a.depends_on)) for k, a in zip(kinds, order)]
 
     def _score(self, example: B.Example, text: str) -> float:
         """The REAL benchmark scorer on the sim's final reply (memoized: the search scores the same few texts often)."""
@@ -212,11 +223,12 @@ class SimWorld:
         key = (self.type_of(example), repr(reward_cfg), max_agents, hash(caps), example.benchmark)
         if key not in self._optima:
             check_reward_properties(lambda s, sc, t: self._reward(s, sc, t, reward_cfg), self.prompts)
-            value = lambda nodes: self.evaluate_nodes(nodes, spec_of(nodes, self.prompts), example, reward_cfg,  # noqa: E731
-                                                      caps).expected_reward
+            def value(nodes):
+                return self.evaluate_nodes(nodes, spec_of(nodes, self.prompts, self.config), example, reward_cfg,
+                                           caps).expected_reward
             nodes, _, count = search(value, self.config.types[self.type_of(example)], self.config,
                                      min(max_agents, caps.max_agents))
-            spec = parse_spec(spec_of(nodes, self.prompts).to_yaml(), base_roles=self.prompts.roles_for("math"))
+            spec = parse_spec(spec_of(nodes, self.prompts, self.config).to_yaml(), base_roles=self.prompts.roles_for("math"))
             ev = self.evaluate(spec, example, reward_cfg, caps)
             self._optima[key] = Optimum(spec, ev.expected_reward, ev.p_success, ev.tokens, count)
         return self._optima[key]
@@ -258,7 +270,7 @@ def best_fixed(world: SimWorld, reward_cfg: RewardConfig, max_agents: int, caps:
     widest = TaskType({c: 0.0 for c in CAPACITIES}, plan_bonus=max(t.plan_bonus for t in world.config.types.values()))
     best = None
     for nodes in structures(widest, world.config, min(max_agents, caps.max_agents)):
-        spec = spec_of(nodes, world.prompts)
+        spec = spec_of(nodes, world.prompts, world.config)
         per = {t: world.evaluate_nodes(nodes, spec, ex[t], reward_cfg, caps).expected_reward for t in types}
         regret = sum(opt[t] - per[t] for t in types) / len(types)
         if best is None or regret < best[2] - 1e-12:

@@ -64,25 +64,39 @@ class QuestionLabels:
 class CurriculumSampler(Sampler):
     """TRL's RepeatSampler layout (each chosen question G times in a row, each block of Q questions repeated `repeat`
     times for gradient accumulation), but the questions of each block are drawn by QuestionLabels weights, without
-    replacement within the block. Its length is the epoch TRL expects; draws happen lazily as TRL iterates."""
+    replacement within the block. Its length is the epoch TRL expects; draws happen lazily as TRL iterates.
+
+    `strata` (one label per example id, e.g. its benchmark = the testbed's task type) stratifies every block: its Q slots go
+    round-robin over the strata, starting one stratum further at each block, so a step with Q >= #strata sees every
+    stratum and consecutive steps cover them all when Q < #strata. Without stratification a step of 2 questions from two
+    task types saw only one type about half the time, and a policy cannot learn to tell types apart from such steps.
+    `weighted=False` draws uniformly (stratification without the curriculum)."""
 
     def __init__(self, example_ids: list[str], labels: QuestionLabels, *, questions: int, generations: int, repeat: int,
-                 seed: int):
+                 seed: int, strata: list[str] | None = None, weighted: bool = True):
         self.ids, self.labels, self.q, self.g, self.repeat, self.seed = example_ids, labels, questions, generations, repeat, seed
+        if strata is not None and len(strata) != len(example_ids):
+            raise ValueError(f"{len(strata)} strata labels for {len(example_ids)} example ids")
+        self.strata, self.weighted = strata, weighted
         self.epoch = 0
 
     def __len__(self) -> int:
         return (len(self.ids) // self.q) * self.q * self.g * self.repeat
 
+    def _weight(self, i: int) -> float:
+        return self.labels.weight(self.ids[i]) if self.weighted else 1.0
+
     def __iter__(self):
         rng = random.Random(_seed("curriculum", self.seed, self.epoch))
         self.epoch += 1
-        for _ in range(len(self.ids) // self.q):
+        names = sorted(set(self.strata)) if self.strata is not None else [None]
+        for b in range(len(self.ids) // self.q):
             idx = list(range(len(self.ids)))
             block = []
-            for _ in range(self.q):  # weighted draw without replacement
-                w = [self.labels.weight(self.ids[i]) for i in idx]
-                j = rng.choices(range(len(idx)), weights=w)[0]
+            for k in range(self.q):  # weighted draw without replacement, from the slot's stratum when stratified
+                want = names[(b * self.q + k) % len(names)]
+                pool = [j for j, i in enumerate(idx) if want is None or self.strata[i] == want] or list(range(len(idx)))
+                j = rng.choices(pool, weights=[self._weight(idx[j]) for j in pool])[0]
                 block.append(idx.pop(j))
             for _ in range(self.repeat):
                 for i in block:
@@ -98,13 +112,16 @@ class SpecRollouts:
                  resample: int = 0, seed: int = 0,
                  scale_rewards: str = "none", std_floor: float = 0.1, rollouts_path: Path | None = None,
                  labels: QuestionLabels | None = None, sample_dtype: str = "model",
-                 curriculum_ids: list[str] | None = None):
+                 curriculum_ids: list[str] | None = None, strata: list[str] | None = None, weighted: bool = True,
+                 mask_forced: bool = False):
         self.scorer, self.tok, self.by_prompt = scorer, tokenizer, examples_by_prompt
         self.g, self.temperature, self.max_new_tokens = num_generations, temperature, max_new_tokens
         self.grammars, self.grammar_cache = grammars, grammar_cache  # example id -> SpecGrammar; None = unconstrained
         self.resample, self.seed, self.scale_rewards, self.std_floor = resample, seed, scale_rewards, std_floor
         self.rollouts_path, self.labels, self.sample_dtype = rollouts_path, labels or QuestionLabels(), sample_dtype
         self.curriculum_ids = curriculum_ids  # the dataset's example ids in row order; None = TRL's own shuffled sampler
+        self.strata, self.weighted = strata, weighted  # CurriculumSampler's stratification and weighting
+        self.mask_forced = mask_forced  # grammar-forced tokens get advantage 0 (lemon.train.grpo)
         self.batch: list[Rollout] = []
         self.last_stats: dict = {}
         self._shadow = None  # SamplingCopy, made at the first rollout when sample_dtype == 'bf16_copy'
@@ -201,6 +218,7 @@ class SpecRollouts:
         stats["score_s"] += time.perf_counter() - t0
         out: list[list[Rollout]] = [[] for _ in prompts]
         for s, r in zip(samples, scored):
+            r.forced_positions = tuple(t for t, f in enumerate(getattr(s, "forced", ())) if f)
             out[s.prompt_index].append(r)
         if any(len(g) != self.g for g in out):
             raise RuntimeError(f"sample_specs returned {[len(g) for g in out]} samples per prompt, expected {self.g}")

@@ -96,6 +96,21 @@ def completion_only_lm_head():
         U._use_triton = real
 
 
+def forced_mask(recs, cmask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1 where the grammar allowed exactly one token (Rollout.forced_positions), on cmask's device.
+
+    Why those tokens get no advantage: rollouts are sampled from the policy renormalised over the allowed tokens, whose
+    log-prob of a forced token is 0 whatever the weights, so the exact policy gradient has no term there. The trainer's
+    log-probs are the unmasked policy's, under which a forced token's gradient would push mass onto keys, quotes and ids
+    (~25 per agent) in proportion to the rollout's advantage: noise common to the CF and the global arm."""
+    m = torch.zeros_like(cmask)  # (B, T)
+    for i, r in enumerate(recs):
+        pos = [t for t in r.forced_positions if t < m.shape[1]]
+        if pos:
+            m[i, pos] = 1
+    return m
+
+
 class CFGRPOMixin:
     """Overrides of TRL's GRPOTrainer (mixed into whichever GRPOTrainer class trl exports: TRL's own or Unsloth's)."""
 
@@ -109,7 +124,8 @@ class CFGRPOMixin:
         return CurriculumSampler(self.rollouts.curriculum_ids, self.rollouts.labels,
                                  questions=self.args.generation_batch_size // self.num_generations,
                                  generations=self.num_generations,
-                                 repeat=self.num_iterations * self.args.steps_per_generation, seed=self.args.seed)
+                                 repeat=self.num_iterations * self.args.steps_per_generation, seed=self.args.seed,
+                                 strata=self.rollouts.strata, weighted=self.rollouts.weighted)
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -124,6 +140,8 @@ class CFGRPOMixin:
         adv, keep, scale = step_advantages([r.total for r in recs], [r.group for r in recs],
                                            [r.delta or 0.0 for r in recs], cmask, span, lam=self.rollouts.cf_lambda,
                                            scale=self.rollouts.scale_rewards, std_floor=self.rollouts.std_floor)
+        if getattr(self.rollouts, "mask_forced", False):
+            adv = adv * (1 - forced_mask(recs, cmask)).to(adv.dtype)  # (B, T)
         out["advantages"] = adv.to(out["advantages"].dtype)  # (B, T)
         out["completion_mask"] = cmask * keep[:, None].to(cmask.dtype)  # errored rollouts leave the loss entirely
         out["num_items_in_batch"] = out["completion_mask"].sum()

@@ -180,7 +180,9 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
                             seed=cfg.seed, scale_rewards=cfg.scale_rewards, std_floor=cfg.std_floor,
                             rollouts_path=out / "rollouts.jsonl",
                             sample_dtype=sample_dtype_for(cfg),
-                            curriculum_ids=[r["example_id"] for r in rows] if cfg.curriculum else None)
+                            curriculum_ids=[r["example_id"] for r in rows] if cfg.curriculum or cfg.stratify else None,
+                            strata=[e.benchmark for e in examples] if cfg.stratify else None, weighted=cfg.curriculum,
+                            mask_forced=cfg.mask_forced_tokens and cfg.constrained)
     funcs, weights = reward_functions(rollouts)
     Trainer = trainer_class(backend)
     args = grpo_args(cfg, out, weights, progress, backend)

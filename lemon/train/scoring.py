@@ -53,6 +53,7 @@ class Rollout:
     cf_tokens_spent: int = 0
     cf_tokens_nominal: int = 0
     span_positions: tuple[int, ...] = ()
+    forced_positions: tuple[int, ...] = ()  # completion positions where the grammar allowed exactly one token
 
     @property
     def errored(self) -> bool:
