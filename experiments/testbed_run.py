@@ -22,7 +22,8 @@ from pathlib import Path
 
 from lemon.prompts import default_prompts
 from lemon.testbed.experiment import (ARMS, BASES, SCORINGS, WORLDS, ExperimentConfig, evaluate_heldout,
-                                      make_world, run_arm, run_caps, train_config, write_experiment)
+                                      make_world, run_arm, run_caps, train_config, world_of_record,
+                                      write_experiment)
 from lemon.testbed.plots import write_report
 from lemon.testbed.warm import warm_start_adapter
 
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
                            threshold=a.threshold, init_adapter=init_adapter, train_overrides=overrides,
                            scoring=a.scoring, base=a.base)
     prompts, world = default_prompts(), make_world(a.world, default_prompts())
+    if a.report and (root / "experiment.json").exists():  # re-score as the runs were scored (an older sim, too)
+        world = world_of_record(json.loads((root / "experiment.json").read_text()), prompts)
     cfg0 = train_config(exp.arms[0], exp.seeds[0], exp, world)
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     if not a.report:

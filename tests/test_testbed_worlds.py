@@ -122,3 +122,15 @@ def test_sim_config_round_trips_and_old_records_read_back_with_the_lenient_rule(
     assert duty_effect("solve", "Be brief", P.default_duty("solver"), legacy) == 1  # any customized duty paid
     with pytest.raises(ValueError, match="duty_words"):
         SimConfig(types=cfg.types, benchmark_type=cfg.benchmark_type, duty_words={"solve": ("RE",)})
+
+
+def test_an_experiment_record_rescores_in_the_world_it_was_run_in():
+    """A record written before the duty rule rebuilds the lenient world (its rollouts re-score as they were trained);
+    a current record gets the named world. (Checked by hand on outputs/reference/cf-seeds-30step-20261205: the study
+    re-run from its files reproduces all 685 recorded values.)"""
+    from lemon.testbed.experiment import world_of_record
+    cur = duty_world(P, n=5).config.to_dict()
+    old = {k: v for k, v in cur.items() if k not in ("duty_words", "off_duty_penalty")}
+    assert world_of_record({"config": {"world": "duty"}, "world": {"config": cur}}, P).config.duty_words
+    legacy = world_of_record({"config": {"world": "duty"}, "world": {"config": old}}, P)
+    assert not legacy.config.duty_words and legacy.config.solve_duty_bonus == 0.6

@@ -27,6 +27,7 @@ from lemon.policy.rollout import GrammarConstraint, sample_specs
 from lemon.prompts import Prompts
 from lemon.run.executor import ExecutorCaps
 from lemon.testbed.exact import exact_scorer_factory
+from lemon.testbed.sim import SimConfig
 from lemon.testbed.world import SimWorld, duty_world, edge_world, mixed_world, tiny_world, two_type_world
 from lemon.train.config import train_preset
 from lemon.train.edits import FAMILIES
@@ -109,6 +110,17 @@ def make_world(name: str, prompts: Prompts) -> SimWorld:
     if name not in WORLD_BUILDERS:
         raise ValueError(f"world={name!r}; valid: {', '.join(WORLDS)}")
     return WORLD_BUILDERS[name](prompts)
+
+
+def world_of_record(rec: dict, prompts: Prompts) -> SimWorld:
+    """The world an experiment.json was run in: its named world, or, when the record's SimConfig differs from what that
+    name builds today (a record written before a change of the sim, e.g. the duty rule), that recorded config, so its
+    rollouts re-score as they scored when trained."""
+    world = make_world(rec["config"]["world"], prompts)
+    recorded = rec.get("world", {}).get("config")
+    if recorded is None or SimConfig.from_dict(recorded) == world.config:
+        return world
+    return SimWorld(SimConfig.from_dict(recorded), prompts)
 
 
 def split_examples(world: SimWorld, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:

@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 
 from lemon.prompts import Prompts, default_prompts
-from lemon.study.plots import md_table, save
-from lemon.testbed.experiment import ExperimentConfig, collect, make_world, read_run_info, read_text, run_dirs
+from lemon.report import md_table, save
+from lemon.testbed.experiment import ExperimentConfig, collect, read_run_info, read_text, run_dirs, world_of_record
 from lemon.testbed.plots import _plt
 from lemon.testbed.stats import band, bootstrap_ci, holm, paired_effect, step_curves, steps_to_threshold
 from lemon.testbed.world import best_fixed
@@ -38,7 +38,7 @@ def load(root: Path, prompts: Prompts):
     rec = json.loads((Path(root) / "experiment.json").read_text())
     c = rec["config"]
     exp = ExperimentConfig(**{**c, "arms": tuple(c["arms"]), "seeds": tuple(c["seeds"])})
-    return exp, make_world(exp.world, prompts), rec
+    return exp, world_of_record(rec, prompts), rec
 
 
 def per_run(samples: pd.DataFrame, heldout: pd.DataFrame, exp: ExperimentConfig) -> pd.DataFrame:
