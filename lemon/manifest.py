@@ -10,6 +10,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from lemon.report import portable
 from lemon.run.models import SHIPPED, file_sha256
 from lemon.run.servers import build_info, find_binary
 
@@ -44,23 +45,26 @@ def versions() -> dict[str, str]:
 
 def build_manifest(config: dict, *, prompts_sha256: str, workers: dict, data_files: list[Path] = (), seeds: dict | None = None,
                    extra: dict | None = None) -> dict:
-    """A JSON-able record of one run. Shipped models are named with the sha256 recorded in lemon.run.models."""
+    """A JSON-able record of one run. Shipped models are named with the sha256 recorded in lemon.run.models. Paths are
+    written without the machine's prefix (lemon.report.portable: repo-relative, `../`, `~/`), except in `config`, which
+    stays exactly what the run compares on resume."""
     models = {}
     for cap, w in workers.items():
         name = w.get("model", "")
         models[cap] = {**w, **({"sha256": SHIPPED[name].sha256, "hf_id": SHIPPED[name].hf_id} if name in SHIPPED else {})}
-    return {
+    record = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_sha(),
         "argv": sys.argv,
         "config": config,
         "prompts_sha256": prompts_sha256,
         "workers": models,
-        "data": {str(p): file_sha256(Path(p)) for p in data_files if Path(p).is_file()},
+        "data": {str(Path(p).resolve()): file_sha256(Path(p)) for p in data_files if Path(p).is_file()},
         "seeds": seeds or {},
         "versions": versions(),
         **(extra or {}),
     }
+    return {k: v if k == "config" else portable(v) for k, v in record.items()}
 
 
 def write_json(path: Path, obj) -> None:

@@ -392,12 +392,17 @@ def rewrite(spec, i, site, prompts):
     new = CAPACITIES[CAPACITIES.index(a.capacity) + 1]
     return sp.capacity, sp.capacity, new, dataclasses.replace(a, capacity=new)
 
-# the one record a new family is (written here before the rest of lemon is imported, as a line in edits.py would be)
-E.REGISTRY["upgrade"] = E.EditFamily("upgrade", "m_U (capacity +1)", sites, rewrite, lambda spec, s: f"raise {s[0]}")
+# the one record a new family is (written here before the rest of lemon is imported, as a line in edits.py would be);
+# like capacity it takes a target value, which it says in its record
+E.REGISTRY["upgrade"] = E.EditFamily("upgrade", "m_U (capacity +1)", sites, rewrite, lambda spec, s: f"raise {s[0]}",
+                                     target="capacity", target_values=CAPACITIES)
 E.FAMILIES = tuple(E.REGISTRY)
 
+from types import SimpleNamespace
+from lemon import benchmarks as B
 from lemon.spec import parse_spec
-from lemon.study.config import VARIANTS
+from lemon.study.config import VARIANTS, StudyConfig, study_preset
+from lemon.study.widgets import SpecInspector
 from lemon.study.plots import FAMILY_LABEL
 from lemon.testbed.experiment import ARMS
 from lemon.train.config import train_preset
@@ -413,6 +418,23 @@ print(json.dumps({"edited": e.spec.agents[0].capacity, "span": text[e.span[0]:e.
                   "sampler": sorted(FamilySampler().probs()), "label": FAMILY_LABEL["upgrade"],
                   "arm": ARMS["upgrade"], "variant": VARIANTS["upgrade"], "describe": E.REGISTRY["upgrade"].describe(spec, ("a1",)),
                   "default_families": list(train_preset("smoke").cf_families)}))
+two = parse_spec(text.replace("final: a1", "  - id: a2\n    base_role: solver\n    role: \"Checker\"\n"
+                              "    duty: \"Check.\"\n    capacity: large\n    depends_on: [a1]\nfinal: a2"),
+                 base_roles=P.roles_for(None))
+insp = SpecInspector(two, SimpleNamespace(id="q1", question="1 + 1?"), B.get_benchmark("gsm8k"), None, prompts=P)
+insp.family.value = "upgrade"
+shown = {"options": list(insp.family.options), "sites": [list(o) for o in insp.site.options],
+         "target": [insp.target.disabled, list(insp.target.options), insp.target.value]}
+insp.site.value = ("a2",)  # large: the family's own edit is not possible there, any other value is
+shown["a2"] = [list(insp.target.options), insp.target.value]
+insp.site.value = ("a1",)
+insp.apply_button.click()
+shown["applied"] = [insp.current.agent("a1").capacity, insp.edits]
+insp.family.value = "edge"
+shown["edge_target_disabled"] = insp.target.disabled
+default = StudyConfig.__dataclass_fields__["ablation_variants"].default
+print(json.dumps({"inspector": shown, "study_default": list(default),
+                  "study": list(study_preset("smoke", ablation_variants=("sft", "upgrade")).ablation_variants)}))
 '''
 
 
@@ -424,9 +446,17 @@ def test_a_new_edit_family_is_one_record():
     import sys
     out = subprocess.run([sys.executable, "-c", TOY_FAMILY], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = json.loads(out.stdout.strip().splitlines()[-2])
     assert r["edited"] == "medium" and r["span"] == "small" and r["family"] == "upgrade"
     assert r["config"] == ["upgrade"] and r["sampler"] == sorted([*FAMILIES, "upgrade"])
     assert r["label"] == "m_U (capacity +1)" and r["describe"] == "raise a1"
     assert r["arm"] == {"cf_lambda": 1.0, "cf_families": ["upgrade"]} and r["variant"] == {"cf_families": ["upgrade"]}
     assert r["default_families"] == [*FAMILIES, "upgrade"]
+    s = json.loads(out.stdout.strip().splitlines()[-1])  # the inspector and the study config read the record too
+    i = s["inspector"]
+    assert i["options"] == [*FAMILIES, "upgrade"]
+    assert i["sites"] == [["raise a1", ["a1"]], ["raise a2", ["a2"]]]  # a target family: every executed agent
+    assert i["target"] == [False, ["medium", "large"], "medium"]  # enabled; the family's own edit is the default
+    assert i["a2"] == [["small", "medium"], "small"] and i["edge_target_disabled"] is True
+    assert i["applied"] == ["medium", ["capacity of a1: small → medium"]]
+    assert s["study_default"] == ["global", "full", *FAMILIES, "upgrade"] and s["study"] == ["sft", "upgrade"]

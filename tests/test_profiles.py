@@ -100,3 +100,90 @@ def test_setup_and_cli_take_the_same_overrides(tmp_path, capsys):
     assert "unknown profile 'nope'" in capsys.readouterr().err
     assert cli.main(["train", "--profile", "smoke", "--set", "batch_size=3", "--out", str(tmp_path / "t")]) == 2
     assert "not a multiple" in capsys.readouterr().err
+
+
+CONFIG_CODE = ("lemon/train/config.py", "lemon/study/config.py", "lemon/study/profiles.py")
+
+
+def _literal(node, types) -> bool:
+    """A literal number (of `types`) or a non-empty mapping literal."""
+    import ast
+    if isinstance(node, ast.Dict):
+        return bool(node.keys)
+    return isinstance(node, ast.Constant) and type(node.value) in types
+
+
+def _values_in_code(path: Path, names: set[str]) -> list[str]:
+    """Profile values written in a module's functions: a comparison with a profile or preset name (`profile == "cpu"`)
+    or a literal number / bool / mapping passed to a call (`TrainConfig(max_steps=8)`). Dataclass field defaults (class
+    bodies) are defaults, not profile values, and are not looked at."""
+    import ast
+    tree = ast.parse(path.read_text())
+    found = []
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+                found += [f"{path.name}:{node.lineno}: compares with {v!r}" for v in consts if v in names]
+            if isinstance(node, ast.Call):
+                found += [f"{path.name}:{node.lineno}: {kw.arg}={ast.unparse(kw.value)}" for kw in node.keywords
+                          if _literal(kw.value, (int, float, bool))]
+                found += [f"{path.name}:{node.lineno}: positional {ast.unparse(a)}" for a in node.args
+                          if _literal(a, (int, float))]
+    return found
+
+
+def test_no_profile_value_is_written_in_code(tmp_path):
+    """configs/profiles.yaml is the only place a preset or profile value lives: the modules that build configs compare
+    no profile name and pass no literal value to a config, and every value of the file's presets is what
+    train_preset / sft_preset return (the derived budgets are computed from the file's max_agents and reply caps)."""
+    import dataclasses
+    from lemon.train import config as C
+    from lemon.train.config import read_presets, size_budgets, sft_preset
+    names = set(load_profiles()) | set(read_presets())
+    found = [f for p in CONFIG_CODE for f in _values_in_code(ROOT / p, names)]
+    assert not found, "profile values in code (move them to configs/profiles.yaml):\n" + "\n".join(found)
+    old = tmp_path / "old.py"  # the checker sees the old shape of a preset
+    old.write_text('def train_preset(profile):\n    if profile == "cpu":\n        return TrainConfig(max_steps=8)\n')
+    assert len(_values_in_code(old, names)) == 2
+    for name, preset in read_presets().items():
+        cfg, sft = train_preset(name), sft_preset(name)
+        for k, v in preset["train"].items():
+            got = getattr(cfg, k)
+            if dataclasses.is_dataclass(got):  # a nested config (policy): the file sets some of its fields
+                assert all(getattr(got, sk) == sv for sk, sv in v.items()), (name, k)
+            else:
+                assert got == (tuple(v) if isinstance(v, list) else v), (name, k)
+        assert all(getattr(sft, k) == v for k, v in (preset.get("sft") or {}).items()), name
+        b = size_budgets(cfg.max_agents, cfg.worker_max_tokens)
+        assert (cfg.max_completion_length, cfg.task_token_budget, cfg.reward.token_budget) == (
+            b["completion"], b["task"], b["efficiency"]) and cfg.reward.max_agents == cfg.max_agents
+    assert train_preset("cpu").max_steps != study_preset("cpu").train.max_steps  # the testbed's preset vs the study's
+    assert C.PROFILES == tuple(read_presets())
+
+
+def test_a_preset_is_read_from_the_file(tmp_path, monkeypatch):
+    """Changing a value in the file changes the preset (nothing in code shadows it); the study of a profile over that
+    preset follows."""
+    import yaml
+    from lemon.train import config as C
+    raw = yaml.safe_load(PROFILES_FILE.read_text())
+    raw["presets"]["cpu"]["train"]["max_steps"] = 5
+    raw["presets"]["cpu"]["train"]["worker_max_tokens"]["large"] = 400
+    raw["presets"]["cpu"]["sft"]["questions"] = 3
+    f = tmp_path / "profiles.yaml"
+    f.write_text(yaml.safe_dump(raw, sort_keys=False))
+    monkeypatch.setattr(C, "PROFILES_FILE", f)
+    cfg = train_preset("cpu")
+    assert cfg.max_steps == 5 and cfg.worker_max_tokens["large"] == 400 and C.sft_preset("cpu").questions == 3
+    monkeypatch.undo()
+    budget = C.size_budgets(4, cfg.worker_max_tokens)["task"]
+    assert cfg.task_token_budget == budget > train_preset("cpu").task_token_budget
+    monkeypatch.setattr(C, "PROFILES_FILE", f)
+    assert study_preset("cpu-wide", profiles_file=f).train.worker_max_tokens["large"] == 400
+    del raw["presets"]["cpu"]["train"]["max_agents"]
+    f.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(ProfileError, match="preset 'cpu' must be a mapping with train"):
+        train_preset("cpu")

@@ -70,15 +70,15 @@ def test_builds_headless_and_renders():
 def test_site_dropdown_refreshes_on_family_change():
     insp = inspector()
     insp.family.value = "role"
-    assert [v for _, v in insp.site.options] == [("plan",), ("solve",), ("fin",)] and insp.capacity.disabled
+    assert [v for _, v in insp.site.options] == [("plan",), ("solve",), ("fin",)] and insp.target.disabled
     insp.family.value = "capacity"  # any level may be set, so small agents are sites too
-    assert [v for _, v in insp.site.options] == [("plan",), ("solve",), ("fin",)] and not insp.capacity.disabled
-    assert insp.site.value == ("plan",) and insp.capacity.options == ("medium", "large") and insp.capacity.value == "medium"
+    assert [v for _, v in insp.site.options] == [("plan",), ("solve",), ("fin",)] and not insp.target.disabled
+    assert insp.site.value == ("plan",) and insp.target.options == ("medium", "large") and insp.target.value == "medium"
     insp.site.value = ("fin",)  # large: default is m_L, one level lower
-    assert insp.capacity.options == ("small", "medium") and insp.capacity.value == "medium"
+    assert insp.target.options == ("small", "medium") and insp.target.value == "medium"
     insp.family.value = "edge"
     assert [v for _, v in insp.site.options] == [("solve", "plan"), ("fin", "plan"), ("fin", "solve")]
-    assert insp.capacity.disabled
+    assert insp.target.disabled
 
 
 def test_edge_edit_changes_exactly_that_field_then_run_hits_cache():
@@ -88,7 +88,7 @@ def test_edge_edit_changes_exactly_that_field_then_run_hits_cache():
     assert insp.last_error is None and changed(insp.original, insp.current) == {("fin", "depends_on")}
     assert insp.current.agent("fin").depends_on == ("solve",) and insp.original.agent("fin").depends_on == ("plan", "solve")
     assert ("fin", "plan") not in [v for _, v in insp.site.options]  # sites follow the current spec
-    assert "background:#fff3b0" in insp.last_html["table"] and "dropped edge plan → fin" in insp.last_html["result"]
+    assert "background:#fff3b0" in insp.last_html["table"] and "edge: drop plan → fin" in insp.last_html["result"]
     insp.run_button.click()
     s = insp.last_summary
     assert insp.last_error is None and s["cache_hit_ids"] == ["plan", "solve"] and s["recomputed_ids"] == ["fin"]
@@ -106,7 +106,7 @@ def test_edge_edit_changes_exactly_that_field_then_run_hits_cache():
 def test_capacity_edit_any_level_and_role_edit():
     insp = inspector()
     insp.family.value = "capacity"
-    insp.site.value, insp.capacity.value = ("plan",), "large"  # raising is allowed, not only m_L
+    insp.site.value, insp.target.value = ("plan",), "large"  # raising is allowed, not only m_L
     insp.apply_button.click()
     assert changed(insp.original, insp.current) == {("plan", "capacity")} and insp.current.agent("plan").capacity == "large"
     s = insp.run()

@@ -23,6 +23,7 @@ from lemon import benchmarks as B
 from lemon.eval.baselines import BASELINES, UnknownMethodError, example_spec, run_baseline
 from lemon.run.executor import ExecutorCaps, NodeCache, Trace, execute
 from lemon.manifest import build_manifest, write_json
+from lemon.report import portable
 from lemon.eval.orchestrator import OrchestratorConfig, PoolSpecWriter
 from lemon.prompts import Prompts
 from lemon.spec import parse_spec
@@ -201,7 +202,7 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
     summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split, "seed": cfg.seed,
                "concurrency": concurrency, "wall_s_this_call": wall,
                "wall_s_total": old_summary.get("wall_s_total", old_summary.get("wall_s_this_call", 0.0)) + wall,
-               "workers": pool.describe(), "prompts_sha256": prompts.sha256}
+               "workers": portable(pool.describe()), "prompts_sha256": prompts.sha256}
     write_json(spath, summary)
     return summary
 

@@ -76,8 +76,9 @@ class StudyConfig:
     """Held-out (mutated baseline) specs per edit-effect question."""
     edit_sites: int = 1
     """Sites per family and spec at which an edit is applied (seeded choice among the eligible ones)."""
-    ablation_variants: tuple[str, ...] = ("global", "full", "edge", "role", "capacity")
-    """Training variants of notebook 03 (keys of VARIANTS), all started from the same SFT warm start."""
+    ablation_variants: tuple[str, ...] = ("global", "full", *FAMILIES)
+    """Training variants of notebook 03 (keys of VARIANTS: one per edit family of lemon.train.edits.REGISTRY), all
+    started from the same SFT warm start."""
     ablation_steps: int = 1
     """GRPO steps of each variant ('full' reuses notebook 02's run when this equals train.max_steps)."""
     ablation_benchmarks: tuple[str, ...] = ("gsm8k", "mmlu")

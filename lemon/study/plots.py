@@ -11,6 +11,7 @@ from lemon import benchmarks as B
 from lemon.eval.baselines import BASELINES
 from lemon.eval.runner import read_rows, summarize
 from lemon.prompts import default_prompts
+from lemon.report import md_table, save, shown_path
 from lemon.study.compare import policy_specs, spec_composition, study_comparisons
 from lemon.study.config import split_method
 from lemon.study.paths import StudyPaths
@@ -27,13 +28,6 @@ def _plt():
         matplotlib.use("Agg")  # headless unless a notebook's inline backend is active
     sns.set_theme(style="whitegrid", context="notebook")
     return plt, sns
-
-
-def save(fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
 
 
 def pool_sizes(stats: pd.DataFrame):
@@ -228,15 +222,6 @@ def spec_gallery(items: list[tuple[str, object]]):
 
 
 # ---- summary.md ------------------------------------------------------------------------------------------------------
-def md_table(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
-    if df is None or df.empty:
-        return "_(no rows yet)_"
-    cell = lambda v: floatfmt.format(v) if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
-    return "\n".join(lines)
-
-
 def headline_md(cfg, root: Path, models: str) -> list[str]:
     """summary.md's first section: the trained policy paired with its warm start, global GRPO and the other methods on
     the same questions (lemon.study.compare), led by the one-sentence answer of 'lemon vs sft'."""
@@ -266,8 +251,9 @@ def write_summary(cfg, paths) -> Path:
     models = f"workers {workers}; policy {cfg.train.policy.model} + LoRA r={cfg.train.policy.lora_r}"
     splits = ", ".join(f"{b} {B.POOL_SPLITS['eval'][b]}" for b in cfg.benchmarks)
     md = [f"# LEMON study — profile `{cfg.profile}`", "",
-          f"Folder `{root}`; git `{man.get('git', '?')}`; seed {cfg.seed}; protocol `{cfg.protocol}` (disjoint train/eval "
-          f"pools); {models}. Regenerate: `scripts/main.sh --profile {cfg.profile} --out {root}`.", ""]
+          f"Folder `{shown_path(root)}`; git `{man.get('git', '?')}`; seed {cfg.seed}; protocol `{cfg.protocol}` "
+          f"(disjoint train/eval pools); {models}. Regenerate: `scripts/main.sh --profile {cfg.profile} --out "
+          f"{shown_path(root)}`.", ""]
     md += headline_md(cfg, root, models)
     stats = json.loads((root / "data" / "stats.json").read_text()) if (root / "data" / "stats.json").exists() else []
     md += ["## Data pools (notebook 01)", "", md_table(pd.DataFrame(stats)), ""]

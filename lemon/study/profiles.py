@@ -1,13 +1,12 @@
 """Run profiles as data: configs/profiles.yaml, one namespace for `scripts/main.sh` / `python -m lemon.study`, the
-notebooks and `python -m lemon train`. A profile names a base preset (lemon.train.config: smoke, cpu, paper) and field
-overrides of TrainConfig / SFTConfig / StudyConfig; `--set FIELD=VALUE` adds per-run overrides on top (dotted names reach
-the nested configs: `train.max_steps=8`, `sft.questions=4`).
+notebooks and `python -m lemon train`. A profile names a base preset (the file's `presets`, read by lemon.train.config)
+and field overrides of TrainConfig / SFTConfig / StudyConfig; `--set FIELD=VALUE` adds per-run overrides on top (dotted
+names reach the nested configs: `train.max_steps=8`, `sft.questions=4`).
 
-Here: reading and checking that file, parsing `--set` items, and applying overrides to frozen dataclasses with errors
-that name the valid fields. Building the StudyConfig itself is lemon.study.config.study_preset."""
+Here: reading and checking the profiles of that file and parsing `--set` items (applying overrides to frozen dataclasses
+is lemon.train.config.apply_overrides). Building the StudyConfig itself is lemon.study.config.study_preset."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +15,11 @@ from typing import Iterable
 import yaml
 
 from lemon.train.config import PROFILES as BASES
+# ProfileError and apply_overrides are re-exported for the study's callers
+from lemon.train.config import PROFILES_FILE, ProfileError, apply_overrides, read_profiles_file  # noqa: F401
 
-PROFILES_FILE = Path(__file__).resolve().parents[2] / "configs" / "profiles.yaml"
 _KEYS = {"base", "answers", "models", "measured", "train", "sft", "study"}
-
-
-class ProfileError(ValueError):
-    """A profiles file, profile name or --set item that cannot be used; the message says what would work."""
+PRESETS_KEY = "presets"  # the file's trainer / warm-start presets (lemon.train.config), not a profile
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,7 @@ class Profile:
     name: str
     """Its key in the file (what --profile takes)."""
     base: str
-    """Trainer / warm-start preset it starts from (lemon.train.config.PROFILES)."""
+    """Trainer / warm-start preset it starts from (a key of the file's `presets`, lemon.train.config.PROFILES)."""
     answers: str = ""
     """The question the profile answers (README's profiles table)."""
     models: str = ""
@@ -48,16 +45,12 @@ class Profile:
 
 
 def load_profiles(path: str | Path = PROFILES_FILE) -> dict[str, Profile]:
-    """Every profile of the file, checked: known keys, a known base, mappings where overrides go."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ProfileError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(raw, dict) or not raw:
-        raise ProfileError(f"{path}: expected a mapping of profile name -> profile")
+    """Every profile of the file (each top-level key but `presets`, which lemon.train.config always reads from
+    configs/profiles.yaml), checked: known keys, a known base, mappings where overrides go."""
     out = {}
-    for name, entry in raw.items():
+    for name, entry in read_profiles_file(path).items():
+        if name == PRESETS_KEY:
+            continue
         if not isinstance(entry, dict):
             raise ProfileError(f"{path}: profile {name!r} must be a mapping with keys {sorted(_KEYS)}")
         bad = set(entry) - _KEYS
@@ -108,32 +101,3 @@ def parse_sets(items: Iterable[str]) -> dict:
             raise ProfileError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set train.max_steps=8 or --set eval_n=30")
         out[key.strip()] = parse_value(val.strip())
     return out
-
-
-def _coerce(current, value):
-    """YAML / JSON lists become tuples where the field holds a tuple (every sequence field of the configs does)."""
-    if isinstance(current, tuple) and isinstance(value, list):
-        return tuple(value)
-    return value
-
-
-def apply_overrides(obj, overrides: dict, what: str = "config"):
-    """`obj` (a frozen dataclass) with `overrides` ({field or 'nested.field': value}) applied through dataclasses.replace,
-    so each config's __post_init__ checks the result. An unknown field is an error naming the valid ones."""
-    if not overrides:
-        return obj
-    names = {f.name for f in dataclasses.fields(obj)}
-    flat, nested = {}, {}
-    for key, value in overrides.items():
-        head, dot, rest = key.partition(".")
-        if head not in names:
-            raise ProfileError(f"{what} has no field {head!r} (from {key!r}); valid: {', '.join(sorted(names))}")
-        if dot:
-            if not dataclasses.is_dataclass(getattr(obj, head)):
-                raise ProfileError(f"{what}.{head} is not a nested config: set it as {head}=VALUE, not {key!r}")
-            nested.setdefault(head, {})[rest] = value
-        else:
-            flat[head] = _coerce(getattr(obj, head), value)
-    for head, sub in nested.items():
-        flat[head] = apply_overrides(flat.get(head, getattr(obj, head)), sub, f"{what}.{head}")
-    return dataclasses.replace(obj, **flat)

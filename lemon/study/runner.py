@@ -21,6 +21,7 @@ from pathlib import Path
 
 from lemon import benchmarks as B
 from lemon.manifest import build_manifest, git_sha, write_json
+from lemon.report import portable
 from lemon.progress import TEXT_ENV
 from lemon.prompts import default_prompts
 from lemon.run.models import DEFAULT_LADDER, SHIPPED
@@ -140,7 +141,8 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
     mp = paths.root / "manifest.json"
     man = json.loads(mp.read_text()) if mp.exists() else study_manifest(cfg)
     if mp.exists():
-        man.setdefault("resumed", []).append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_sha(), "argv": sys.argv})
+        man.setdefault("resumed", []).append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_sha(),
+                                              "argv": portable(sys.argv)})
     write_json(mp, man)
     paths.done.mkdir(exist_ok=True)
     if log_output:  # the kernels inherit it: text progress bars on the console (see lemon.progress)

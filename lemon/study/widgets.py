@@ -150,19 +150,19 @@ class SpecInspector:
         self.last_figure: Figure | None = None
         self.family = W.Dropdown(options=list(FAMILIES), value=FAMILIES[0], description="edit")
         self.site = W.Dropdown(options=[], description="site")
-        self.capacity = W.Dropdown(options=list(CAPACITIES), description="set to", disabled=True)
+        self.target = W.Dropdown(options=[], description="set to", disabled=True)  # a family's target value
         self.apply_button = W.Button(description="Apply edit", button_style="warning")
         self.reset_button = W.Button(description="Reset")
         self.run_button = W.Button(description="Run", button_style="primary")
         self.graph_out, self.table_out, self.result_out = W.Output(), W.Output(), W.Output()
         self.family.observe(lambda _: self._refresh_sites(), names="value")
-        self.site.observe(lambda _: self._refresh_capacity(), names="value")
+        self.site.observe(lambda _: self._refresh_target(), names="value")
         self.apply_button.on_click(lambda _: self._guard(self.apply_edit))
         self.reset_button.on_click(lambda _: self._guard(self.reset))
         self.run_button.on_click(lambda _: self._guard(self.run))
         q = html.escape(_short(example.question, 400))
         header = W.HTML(f"<b>{html.escape(benchmark.name)} · {html.escape(example.id)}</b>: {q}")
-        self.widget = W.VBox([header, W.HBox([self.family, self.site, self.capacity]),
+        self.widget = W.VBox([header, W.HBox([self.family, self.site, self.target]),
                               W.HBox([self.apply_button, self.reset_button, self.run_button]),
                               self.graph_out, self.table_out, self.result_out])
         self._refresh_sites()
@@ -173,7 +173,7 @@ class SpecInspector:
         return parse_spec(text, base_roles=self.prompts.roles_for(None), max_agents=max(n_agents, MAX_AGENTS))
 
     def _sites(self, family: str) -> list[tuple[str, ...]]:
-        if family == "capacity":  # any level may be chosen, so every executed agent is a site (m_L alone skips small ones)
+        if REGISTRY[family].target:  # any value may be chosen, so every executed agent is a site (m_L skips small ones)
             dead = set(self.current.unreachable())
             return [(a.id,) for a in self.current.agents if a.id not in dead]
         return eligible_sites(self.current, family, self.prompts)
@@ -185,33 +185,38 @@ class SpecInspector:
         fam = self.family.value
         self.site.options = [(self._label(fam, s), s) for s in self._sites(fam)]
         self.site.value = self.site.options[0][1] if self.site.options else None
-        self.capacity.disabled = fam != "capacity"
-        self._refresh_capacity()
+        self.target.disabled = not REGISTRY[fam].target
+        self._refresh_target()
 
-    def _refresh_capacity(self) -> None:
-        if self.family.value != "capacity" or self.site.value is None:
+    def _refresh_target(self) -> None:
+        f, site = REGISTRY[self.family.value], self.site.value
+        if not f.target or site is None:
             return
-        cur = self.current.agent(self.site.value[0]).capacity
-        i = CAPACITIES.index(cur)
-        self.capacity.options = [c for c in CAPACITIES if c != cur]  # a no-op choice is not offered
-        self.capacity.value = CAPACITIES[i - 1] if i > 0 else CAPACITIES[i + 1]  # default: m_L, one level lower
+        cur = getattr(self.current.agent(site[0]), f.target)
+        self.target.options = [v for v in f.target_values if v != cur]  # a no-op choice is not offered
+        if site in eligible_sites(self.current, f.name, self.prompts):  # default: the family's own edit
+            self.target.value = getattr(_apply_edit(self.current, f.name, site, self.prompts).spec.agent(site[0]), f.target)
+        else:
+            self.target.value = self.target.options[0]
 
     def apply_edit(self) -> Spec:
-        """Apply the edit chosen in the controls to `.current` (edge / role through lemon.train.edits; capacity by rewriting the
-        capacity value at its span, which allows any level). Returns the new current spec."""
+        """Apply the edit chosen in the controls to `.current` (through lemon.train.edits; a family with a target field,
+        like capacity, rewrites that value at its span, which allows any of its values). Returns the new current
+        spec."""
         fam, site, cur = self.family.value, self.site.value, self.current
         if site is None:
             raise ValueError(f"no {fam} edit is possible on the current spec")
-        if fam == "capacity":
-            old, new = cur.agent(site[0]).capacity, self.capacity.value
+        field = REGISTRY[fam].target
+        if field:
+            old, new = getattr(cur.agent(site[0]), field), self.target.value
             if new == old:
-                raise ValueError(f"{site[0]} already has capacity {new}")
-            s0, s1 = cur.spans[cur.index(site[0])].capacity
+                raise ValueError(f"{site[0]} already has {field} {new}")
+            s0, s1 = getattr(cur.spans[cur.index(site[0])], field)
             spec = self._parse(cur.text[:s0] + new + cur.text[s1:], len(cur.agents))
-            desc = f"capacity of {site[0]}: {old} → {new}"
+            desc = f"{field} of {site[0]}: {old} → {new}"
         else:
             spec = _apply_edit(cur, fam, site, self.prompts).spec
-            desc = f"dropped edge {site[1]} → {site[0]}" if fam == "edge" else f"duty of {site[0]} rolled back to default"
+            desc = f"{fam}: {self._label(fam, site)}"
         self.current, self.cur_trace, self.last_summary = spec, None, None
         self.edits.append(desc)
         self._refresh_sites()

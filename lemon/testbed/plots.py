@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lemon.study.plots import md_table, save
+from lemon.report import md_table, save
 from lemon.testbed.experiment import ExperimentConfig, collect
 from lemon.testbed.stats import band, composition, paired_table, step_curves, summary_table
 from lemon.testbed.world import SimWorld

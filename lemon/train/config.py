@@ -1,9 +1,14 @@
-"""Frozen, per-stage configs and the profiles (smoke / cpu / paper). Every field has a one-line docstring; __post_init__
-rejects combinations that cannot work, with an error that says why."""
+"""TrainConfig (frozen; every field has a one-line docstring; __post_init__ rejects combinations that cannot work, with
+an error that says why) and the trainer / warm-start presets. Every preset VALUE is in configs/profiles.yaml
+(`presets`): this module reads it, applies field overrides and derives the token sizes that follow from a preset's
+limits."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import yaml
 
 from lemon.spec import MAX_AGENTS
 from lemon.spec.grammar import SpecGrammar
@@ -15,17 +20,89 @@ from lemon.run.workers import SERVER_BACKENDS, load_worker_config
 from lemon.train.rewards import RewardConfig
 from lemon.train.sft import SFTConfig
 
-PROFILES = ("smoke", "cpu", "paper")
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES_FILE = ROOT / "configs" / "profiles.yaml"
+"""Every profile and preset value: `presets` (read here) and the study profiles (lemon.study.profiles)."""
+_PRESET_KEYS = {"train", "sft", "workers_file"}
+
+
+class ProfileError(ValueError):
+    """A profiles file, profile name or override that cannot be used; the message says what would work."""
+
+
+def read_profiles_file(path: str | Path = PROFILES_FILE) -> dict:
+    """The profiles file as a mapping (a clear error for a missing, invalid or non-mapping file)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ProfileError(f"{path}: expected a mapping of profile name -> profile")
+    return raw
+
+
+def read_presets(path: str | Path = PROFILES_FILE) -> dict[str, dict]:
+    """The file's `presets`: name -> {train: TrainConfig fields, sft: SFTConfig fields, workers_file: optional path
+    (relative to the repo root) of the workers and reply caps}."""
+    presets = read_profiles_file(path).get("presets")
+    if not isinstance(presets, dict) or not presets:
+        raise ProfileError(f"{path}: needs `presets:`, a mapping of preset name -> "
+                           f"{{{', '.join(sorted(_PRESET_KEYS))}}}")
+    for name, p in presets.items():
+        if not isinstance(p, dict) or set(p) - _PRESET_KEYS or not isinstance(p.get("train"), dict) \
+                or "max_agents" not in p["train"] or not ("worker_max_tokens" in p["train"]) ^ ("workers_file" in p) \
+                or not isinstance(p.get("sft") or {}, dict):
+            raise ProfileError(f"{path}: preset {name!r} must be a mapping with train (incl. max_agents and either "
+                               f"train.worker_max_tokens or a workers_file with max_tokens), sft and an optional "
+                               f"workers_file; keys allowed: {', '.join(sorted(_PRESET_KEYS))}")
+    return presets
+
+
+PROFILES = tuple(read_presets())  # the preset names (smoke, cpu, paper): what TrainConfig.profile may be
 TRAIN_DTYPES = ("auto", "fp32", "bf16")
-PAPER_WORKERS = Path(__file__).resolve().parents[2] / "configs" / "workers-paper.yaml"
-"""The paper profile's workers: the only place their endpoints, client settings (timeout_s, max_concurrency, max_retries,
-backoff_s) and reply caps (max_tokens) are written; train_preset('paper') reads it."""
+
+
+def _coerce(current, value):
+    """YAML / JSON lists become tuples where the field holds a tuple (every sequence field of the configs does), and a
+    whole number becomes a float where the field holds a float."""
+    if isinstance(current, tuple) and isinstance(value, list):
+        return tuple(value)
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def apply_overrides(obj, overrides: dict, what: str = "config"):
+    """`obj` (a frozen dataclass) with `overrides` ({field or 'nested.field': value}; a mapping for a nested config
+    sets its fields) applied through dataclasses.replace, so each config's __post_init__ checks the result. An unknown
+    field is an error naming the valid ones."""
+    if not overrides:
+        return obj
+    names = {f.name for f in dataclasses.fields(obj)}
+    flat, nested = {}, {}
+    for key, value in overrides.items():
+        head, dot, rest = key.partition(".")
+        if head not in names:
+            raise ProfileError(f"{what} has no field {head!r} (from {key!r}); valid: {', '.join(sorted(names))}")
+        if dot:
+            if not dataclasses.is_dataclass(getattr(obj, head)):
+                raise ProfileError(f"{what}.{head} is not a nested config: set it as {head}=VALUE, not {key!r}")
+            nested.setdefault(head, {})[rest] = value
+        elif dataclasses.is_dataclass(getattr(obj, head)) and isinstance(value, dict):
+            nested.setdefault(head, {}).update(value)
+        else:
+            flat[head] = _coerce(getattr(obj, head), value)
+    for head, sub in nested.items():
+        flat[head] = apply_overrides(flat.get(head, getattr(obj, head)), sub, f"{what}.{head}")
+    return dataclasses.replace(obj, **flat)
 
 
 def workers_from_file(path) -> tuple[dict, dict]:
     """A --workers file (lemon.run.workers.load_worker_config) split into TrainConfig.workers (its capacity entries, with
     every client setting) and its max_tokens ({} if none). Training caps replies at TrainConfig.worker_max_tokens (they size
-    the budgets; pipeline.build_pool hands them to the pool), so a file's max_tokens reach training only via the paper preset."""
+    the budgets; pipeline.build_pool hands them to the pool), so a file's max_tokens reach training only via a preset's
+    workers_file (the paper preset)."""
     cfg = load_worker_config(path)
     caps = cfg.pop("max_tokens", None) or {}
     return cfg, caps
@@ -194,59 +271,33 @@ class TrainConfig:
         return asdict(self)
 
 
-def _sized(profile: str, max_agents: int, worker_max_tokens: dict, reward: RewardConfig | None = None, **kw) -> TrainConfig:
-    """A TrainConfig whose completion length, task budget and efficiency budget follow from its limits (size_budgets)."""
-    b = size_budgets(max_agents, worker_max_tokens)
-    reward = replace(reward or RewardConfig(), max_agents=max_agents, token_budget=b["efficiency"])
-    return TrainConfig(profile=profile, max_agents=max_agents, worker_max_tokens=worker_max_tokens, reward=reward,
-                       max_completion_length=b["completion"], task_token_budget=b["task"], **kw)
+def _preset(profile: str) -> dict:
+    presets = read_presets(PROFILES_FILE)  # looked up at call time (a test may point it at another file)
+    if profile not in presets:
+        raise ProfileError(f"unknown profile {profile!r}; valid: {', '.join(presets)} ({PROFILES_FILE} presets)")
+    return presets[profile]
 
 
 def train_preset(profile: str, **overrides) -> TrainConfig:
-    """The named preset, with field overrides (e.g. cf_lambda=0.0 for the global-RL-only ablation). Sizes come from
-    size_budgets(); override max_agents / worker_max_tokens through the preset, not afterwards."""
-    if profile == "smoke":
-        # CI: the 135M policy and 135M workers everywhere, 2 steps on 2 questions, grammar-constrained.
-        cfg = _sized("smoke", 3, {"small": 16, "medium": 24, "large": 32},
-                     policy=PolicyConfig(model="smollm2-135m", lora_r=8, lora_alpha=16),
-                     workers={c: {"backend": "llama_cpp", "model": "smollm2-135m"} for c in ("small", "medium", "large")},
-                     train_questions=2, num_generations=2, batch_size=2, max_steps=2, save_steps=1,
-                     learning_rate=1e-4, temperature=1.0, curriculum=False, deterministic_workers=True)
-    elif profile == "cpu":
-        # The embedded default on 2 cores: 0.5B policy, 135M/0.5B/1.5B workers, 2 questions x G=4 per step. The math
-        # pools run easiest first (round-robin MultiArith, SVAMP, GSM8K) and a flat group gets two more draws: on GSM8K
-        # alone with one redraw, half the groups were all-fail under the gated reward (LOG.md, 2026-12-01 session 7).
-        cfg = _sized("cpu", 4, {"small": 192, "medium": 256, "large": 320}, benchmarks=("multiarith", "svamp", "gsm8k"),
-                     train_questions=64, num_generations=4, batch_size=8, micro_batch=4, max_steps=8,
-                     learning_rate=2e-5, resample=2, deterministic_workers=True)
-    elif profile == "paper":
-        # One GPU with internet: Qwen2.5-7B policy via Unsloth; one vLLM server per capacity (scripts/vllm_workers.sh),
-        # workers and reply caps read from PAPER_WORKERS (edit its base_urls, or pass `lemon train --workers`). Paper: G=4,
-        # ~1500 steps.
-        workers, caps = workers_from_file(PAPER_WORKERS)
-        if set(caps) != set(workers):
-            raise ValueError(f"{PAPER_WORKERS}: max_tokens must name every capacity ({sorted(workers)}), got {sorted(caps)}")
-        cfg = _sized("paper", 8, caps, policy=PolicyConfig(model="Qwen/Qwen2.5-7B-Instruct", backend="auto"), workers=workers,
-                     benchmarks=("gsm8k", "multiarith", "svamp", "aqua", "mmlu", "humaneval"), train_questions=6000,
-                     num_generations=4, batch_size=16, max_steps=1500, save_steps=50, rollout_concurrency=64,
-                     gradient_checkpointing=True)
-    else:
-        raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
-    return replace(cfg, **overrides)
+    """The named preset (configs/profiles.yaml `presets`), with field overrides (e.g. cf_lambda=0.0 for the
+    global-RL-only ablation). Its completion length, task budget and efficiency budget follow from its max_agents and
+    worker_max_tokens (size_budgets); override those two in the file, not afterwards."""
+    p = _preset(profile)
+    values = dict(p["train"])
+    if p.get("workers_file"):  # the workers and their reply caps are that file's (configs/workers-paper.yaml)
+        path = ROOT / p["workers_file"]
+        values["workers"], values["worker_max_tokens"] = workers_from_file(path)
+        if set(values["worker_max_tokens"]) != set(values["workers"]):
+            raise ValueError(f"{path}: max_tokens must name every capacity ({sorted(values['workers'])}), got "
+                             f"{sorted(values['worker_max_tokens'])}")
+    n, caps = values.pop("max_agents"), values.pop("worker_max_tokens")
+    b = size_budgets(n, caps)
+    sized = TrainConfig(profile=profile, max_agents=n, worker_max_tokens=caps, max_completion_length=b["completion"],
+                        task_token_budget=b["task"], reward=RewardConfig(max_agents=n, token_budget=b["efficiency"]))
+    return replace(apply_overrides(sized, values, f"preset {profile!r}: train"), **overrides)
 
 
 def sft_preset(profile: str, **overrides) -> SFTConfig:
-    """Warm-start preset. smoke: format only (no execution filter) so the 135M policy learns to write parseable specs in a
-    couple of minutes; cpu / paper: rejection sampling (executed, solving specs only)."""
-    if profile == "smoke":
-        cfg = SFTConfig(questions=8, candidates_per_question=2, keep_per_question=2, filter_by_execution=False, max_agents=3, epochs=3.0, probe_questions=2,
-                        learning_rate=5e-4, batch_size=2)
-    elif profile == "cpu":
-        cfg = SFTConfig(questions=16, candidates_per_question=2, use_orchestrator=True, filter_by_execution=True,
-                        keep_per_question=1, max_agents=4, epochs=3.0, learning_rate=2e-4)
-    elif profile == "paper":
-        cfg = SFTConfig(questions=2000, candidates_per_question=4, use_orchestrator=True, filter_by_execution=True,
-                        keep_per_question=2, max_agents=8, epochs=2.0, learning_rate=1e-4, batch_size=8, max_length=4096)
-    else:
-        raise ValueError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    """The named warm-start preset (configs/profiles.yaml `presets`), with field overrides."""
+    cfg = apply_overrides(SFTConfig(), _preset(profile).get("sft") or {}, f"preset {profile!r}: sft")
     return replace(cfg, **overrides)

@@ -120,6 +120,12 @@ class EditFamily:
     the expected edited agent); apply_edit re-parses and checks the result."""
     describe: Callable[[Spec, tuple], str]
     """(spec, site) -> what the edit does there, for the inspector ("drop a1 → a2")."""
+    target: str | None = None
+    """For a family that sets one agent field to a chosen value (capacity): that field. The inspector then lets any
+    executed agent's field be set to any other of `target_values`, the family's own edit as the default; None = one
+    outcome per site (edge, role)."""
+    target_values: tuple[str, ...] = ()
+    """The values `target` may take, in order (capacity: CAPACITIES)."""
 
 
 def _edge_sites(spec: Spec, live: list, prompts: Prompts) -> list[tuple[str, ...]]:
@@ -168,7 +174,8 @@ REGISTRY: dict[str, EditFamily] = {f.name: f for f in (
     EditFamily("role", "m_R (duty -> base role)", _role_sites, _role_rewrite,
                lambda spec, s: f"{s[0]}: duty → {spec.agent(s[0]).base_role} default"),
     EditFamily("capacity", "m_L (capacity -1)", _capacity_sites, _capacity_rewrite,
-               lambda spec, s: f"{s[0]} (now {spec.agent(s[0]).capacity})"),
+               lambda spec, s: f"{s[0]} (now {spec.agent(s[0]).capacity})", target="capacity",
+               target_values=CAPACITIES),
 )}
 FAMILIES = tuple(REGISTRY)  # m_E, m_R, m_L: the order of every table and config default
 

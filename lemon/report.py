@@ -1,0 +1,63 @@
+"""What a run writes down for people and for the record: markdown tables, saved figures, and paths without the machine's
+prefix (a record names `outputs/cpu-1/...`, `../shared/data/...` or `~/.cache/...`, never `/home/me/lemon/...`).
+No lemon imports: every stage may use it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def md_table(df, floatfmt: str = "{:.3f}") -> str:
+    """A pandas DataFrame as a markdown table (floats formatted with `floatfmt`)."""
+    if df is None or df.empty:
+        return "_(no rows yet)_"
+    cell = lambda v: floatfmt.format(v) if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def save(fig, path: Path) -> Path:
+    """Save a matplotlib figure as a PNG (parent folders made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def _prefixes(root: Path | None = None, home: Path | None = None) -> list[tuple[str, str]]:
+    """(machine prefix, what a record writes instead), longest first: the repo root (default ROOT), the folder holding
+    it (the shared data mirror sits beside the repo), the home folder (default: the user's)."""
+    root, home = ROOT if root is None else root, Path.home() if home is None else home
+    pairs = [(str(root), "."), (str(root.parent), ".."), (str(home), "~")]
+    return sorted(((p, s) for p, s in pairs if len(Path(p).parts) > 1), key=lambda ps: -len(ps[0]))
+
+
+def portable_text(text: str, root: Path | None = None, home: Path | None = None) -> str:
+    """`text` with every absolute path under the repo root made relative to it (`/x/repo/outputs/a` -> `outputs/a`,
+    the root itself -> `.`), under its parent folder written `../...`, and under the home folder `~/...`."""
+    for prefix, short in _prefixes(root, home):
+        pat = re.compile(r"(?<![\w.~/-])" + re.escape(prefix) + r"(?=/|(?![\w.-]))(/?)")
+        text = pat.sub(lambda m: "" if short == "." and m.group(1) else short + m.group(1), text)
+    return text
+
+
+def shown_path(path) -> str:
+    """A path as a record writes it: portable_text of its absolute form, or just its name when it lies outside the
+    repo, the folder holding it and the home folder."""
+    path = Path(path).resolve()
+    shown = portable_text(str(path))
+    return path.name if shown == str(path) else shown
+
+
+def portable(obj, root: Path | None = None, home: Path | None = None):
+    """A JSON-able object with portable_text applied to every string in it, mapping keys included."""
+    if isinstance(obj, str):
+        return portable_text(obj, root, home)
+    if isinstance(obj, dict):
+        return {portable(k, root, home): portable(v, root, home) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v, root, home) for v in obj]
+    return obj
