@@ -1,4 +1,5 @@
-"""Command line: `python -m lemon {eval,run,train,data}`. Errors from bad input are printed as one clear line (exit 2)."""
+"""Command line: `python -m lemon {eval,run,train,data,plan-gpu}`. Errors from bad input are printed as one clear line
+(exit 2)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ from lemon.eval.baselines import baseline_spec
 from lemon.eval.orchestrator import propose_spec
 from lemon.eval.runner import EvalConfig, run_eval
 from lemon.prompts import CAPACITIES, load_prompts
+from lemon.run import gpuplan
 from lemon.run.backends import BackendUnavailableError
 from lemon.run.executor import execute
 from lemon.run.workers import WorkerPool, load_worker_config
@@ -165,6 +167,10 @@ def main(argv=None) -> int:
 
     d = sub.add_parser("data", help="row counts of every benchmark split found")
     d.set_defaults(fn=cmd_data)
+
+    g = sub.add_parser("plan-gpu", help="memory plan of the paper profile on one GPU (refuses a card too small)")
+    gpuplan.add_arguments(g)
+    g.set_defaults(fn=gpuplan.cmd_plan)
 
     args = p.parse_args(argv)
     if getattr(args, "concurrency", 1) < 1:

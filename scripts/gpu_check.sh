@@ -5,11 +5,16 @@
 # On a bare offline GPU machine (torch, transformers, peft present): first `bash scripts/gpu_pack.sh` where PyPI is reachable,
 # carry .whl and .gpu; this script installs the wheels into /tmp/lemon-site and reads the tokenizer and data from .gpu.
 # Elsewhere (the CPU stack, or scripts/setup-gpu.sh's .venv-gpu) it runs with what is installed.
+# Python: $PYTHON, else .venv-gpu/bin/python, else .venv/bin/python (the CPU stack), else python3; it says which.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/gpu_check}; shift || true; [ "${1:-}" = "--" ] && shift
-PY=${PYTHON:-python3}
-[ -x .venv-gpu/bin/python ] && PY=.venv-gpu/bin/python
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON why='$PYTHON'
+elif [ -x .venv-gpu/bin/python ]; then PY=.venv-gpu/bin/python why='the GPU environment'
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python why='the CPU environment'
+else PY=python3 why='no .venv-gpu or .venv here'
+fi
+echo "gpu_check: python $PY ($why)"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lemon-site .whl/*.whl
   export PYTHONPATH=/tmp/lemon-site:$PWD${PYTHONPATH:+:$PYTHONPATH}

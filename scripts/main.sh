@@ -14,10 +14,11 @@ cd "$(dirname "$0")/.."
 # --profile paper runs in the GPU environment (.venv-gpu: CUDA torch, unsloth, vLLM; bash scripts/setup-gpu.sh builds it), every
 # other profile in the CPU environment (.venv; bash scripts/setup.sh).
 PY=.venv/bin/python
-profile= prev=
-for arg in "$@"; do  # the last --profile wins, as in argparse
+profile= workers= prev=
+for arg in "$@"; do  # the last --profile (--workers) wins, as in argparse
   if [ "$prev" = --profile ]; then profile=$arg; fi
-  case $arg in --profile=*) profile=${arg#--profile=} ;; esac
+  if [ "$prev" = --workers ]; then workers=$arg; fi
+  case $arg in --profile=*) profile=${arg#--profile=} ;; --workers=*) workers=${arg#--workers=} ;; esac
   prev=$arg
 done
 if [ "$profile" = paper ]; then
@@ -26,6 +27,23 @@ if [ "$profile" = paper ]; then
     echo "main.sh: --profile paper runs in the GPU environment $PY, which is missing: run \`bash scripts/setup-gpu.sh\` first" \
       "(a CUDA machine; see requirements-gpu.in)" >&2
     exit 1
+  fi
+  # The GPU memory plan (python -m lemon plan-gpu; LEMON_GPU_GIB=N plans for N GiB): a card that holds no plan stops
+  # here, and the plan's --set overrides (micro-batch 4 on an 80 GB card) go BEFORE the user's: an explicit --set wins.
+  if [ "${LEMON_GPU_PLAN:-on}" != off ]; then
+    plan_args=(--shell)
+    if [ -n "${LEMON_GPU_GIB:-}" ]; then plan_args+=(--gib "$LEMON_GPU_GIB"); fi
+    if [ -n "$workers" ]; then plan_args+=(--workers "$workers"); fi
+    plan=$("$PY" -m lemon.run.gpuplan "${plan_args[@]}") || {
+      echo "main.sh: --profile paper refused by the GPU memory plan above; nothing started (LEMON_GPU_PLAN=off skips" \
+        "the plan, e.g. when the workers run on other GPUs)" >&2
+      exit 1
+    }
+    eval "$plan"
+    pre=()
+    for s in ${SETS[@]+"${SETS[@]}"}; do pre+=(--set "$s"); done
+    if [ ${#pre[@]} -gt 0 ]; then echo "main.sh: GPU plan '$STRATEGY' adds: ${pre[*]}" >&2; fi
+    set -- ${pre[@]+"${pre[@]}"} "$@"
   fi
 fi
 exec "$PY" -m lemon.study "$@"

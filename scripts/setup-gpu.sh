@@ -3,6 +3,7 @@
 # the notebook stack), kept apart from the CPU .venv (scripts/setup.sh) because unsloth caps trl / transformers / datasets
 # below the CPU pins (requirements-gpu.in says which and why). Every package is pinned and sha256-checked (requirements-gpu.txt).
 #   bash scripts/setup-gpu.sh [--no-gpu-check]     # --no-gpu-check: install even where nvidia-smi is missing (CI, image builds)
+# Without --no-gpu-check it fails unless the driver is >= 580 and, after the install, torch sees CUDA and runs a matmul.
 #   PYTHON=/path/to/python3.12 bash scripts/setup-gpu.sh
 # Needs Linux x86_64, Python 3.12 (the wheels are cp312), glibc >= 2.31 and an NVIDIA driver for CUDA 13 (torch 2.14.0 cu130).
 # Idempotent: rerunning reuses .venv-gpu and installs only what is missing or different.
@@ -12,7 +13,7 @@ GPU_CHECK=1
 for arg in "$@"; do
   case $arg in
     --no-gpu-check) GPU_CHECK=0 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "setup-gpu: unknown argument $arg (usage: bash scripts/setup-gpu.sh [--no-gpu-check])" >&2; exit 2 ;;
   esac
 done
@@ -26,6 +27,14 @@ if [ "$GPU_CHECK" = 1 ]; then
     echo "setup-gpu: ERROR: nvidia-smi found but it lists no GPU (nvidia-smi -L failed); pass --no-gpu-check to install anyway" >&2
     exit 1
   }
+  # torch 2.14.0 cu130 (requirements-gpu.txt) needs a CUDA 13 driver, >= 580: say so before a long install
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+  major=${driver%%.*}
+  if [[ ! $major =~ ^[0-9]+$ ]] || [ "$major" -lt 580 ]; then
+    echo "setup-gpu: ERROR: NVIDIA driver '${driver:-unknown}' is older than 580, which the CUDA 13 torch of" \
+      "requirements-gpu.txt needs: upgrade the driver (or pass --no-gpu-check to install anyway)" >&2
+    exit 1
+  fi
 fi
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif command -v python3.12 >/dev/null && python3.12 -c '' 2>/dev/null; then PY=python3.12
@@ -53,4 +62,12 @@ for i in range(torch.cuda.device_count()):
 print("setup-gpu: " + ", ".join(f"{p} {version(p)}" for p in
       ("unsloth", "unsloth_zoo", "vllm", "trl", "transformers", "peft", "accelerate", "datasets", "llguidance")))
 EOF
+if [ "$GPU_CHECK" = 1 ]; then  # a CUDA build, a driver new enough for it, a matmul on the GPU (gpuplan.check_cuda)
+  .venv-gpu/bin/python -m lemon.run.gpuplan --check-cuda || {
+    echo "setup-gpu: ERROR: .venv-gpu is installed but CUDA is not usable from it (the line above says why)" >&2
+    exit 1
+  }
+  .venv-gpu/bin/python -m lemon.run.gpuplan || echo "setup-gpu: WARNING: this GPU holds no memory plan of the paper" \
+    "profile (above): scripts/main.sh --profile paper will refuse it" >&2
+fi
 echo "setup-gpu: .venv-gpu ready; run the paper profile with: bash scripts/main.sh --profile paper"

@@ -4,37 +4,53 @@
 # configs/workers-paper.yaml (and the paper preset in lemon/train/config.py) point at these ports and served names.
 #   bash scripts/vllm_workers.sh            # start all three, wait for /health, stay in the foreground; Ctrl-C stops them
 #   LEMON_VLLM_LOGS=DIR ...                 # logs (default outputs/vllm-workers)
-#   LEMON_VLLM_UTIL="0.15 0.13 0.22" ...    # --gpu-memory-utilization per server (small medium large), see the plan
-#   LEMON_VLLM_MODELS="m1 m2 m3" ...        # other checkpoints (e.g. all bf16 on an 8-GPU node: see README)
+#   LEMON_VLLM_UTIL="0.21 0.16 0.28" ...   # --gpu-memory-utilization per server (small medium large), not the plan's
+#   LEMON_VLLM_MODELS="m1 m2 m3" ...        # other checkpoints (sizes known to lemon/run/gpuplan.py CHECKPOINTS)
+#   LEMON_GPU_GIB=79.2 ...                  # plan for this card size instead of the one torch / nvidia-smi reports
+#   LEMON_GPU_PLAN=off ...                  # skip the plan (then LEMON_VLLM_UTIL is required), e.g. one server per GPU
 # Needs a CUDA machine with vLLM installed (requirements-gpu.txt, its own environment) and the checkpoints on the HF hub or
-# in the HF cache. NOT RUN by this project yet (no GPU with vLLM was available): the plan below is arithmetic from
-# parameter counts, to be checked against vLLM's startup log ("model weights took X GiB", "KV cache ... tokens").
+# in the HF cache. NOT RUN by this project yet (no GPU with vLLM was available).
 #
-# Memory plan for one 141 GB GPU (H200). vLLM's --gpu-memory-utilization is a fraction of the WHOLE GPU that one server may
-# hold (weights + activations + CUDA graphs + KV cache), so the fractions of co-located servers add up; the rest is the
-# policy's. Servers start one after another: each profiles the memory that is free when it starts.
-#
-# | capacity | served as (model name in requests)  | checkpoint loaded               | weights | util | GB of 141 | KV left      |
-# |----------|-------------------------------------|---------------------------------|---------|------|-----------|--------------|
-# | small    | Qwen/Qwen2.5-7B-Instruct            | Qwen/Qwen2.5-7B-Instruct (bf16) | ~15.2   | 0.15 | ~21.2     | ~4 GB  ~70k tok (56 KB/tok)  |
-# | medium   | Qwen/Qwen2.5-14B-Instruct           | Qwen/Qwen2.5-14B-Instruct-AWQ   | ~10.0   | 0.13 | ~18.3     | ~6 GB  ~32k tok (192 KB/tok) |
-# | large    | Qwen/Qwen2.5-32B-Instruct           | Qwen/Qwen2.5-32B-Instruct-AWQ   | ~19.3   | 0.22 | ~31.0     | ~9 GB  ~36k tok (256 KB/tok) |
-# | policy   | Qwen2.5-7B-Instruct + LoRA r=16     | Unsloth, bf16 (4-bit optional)  | ~15.2   |  -   | ~70 left  | optimizer, activations, G=4 rollouts |
-#
-# Workers total 0.50 of the GPU. ~2 GB per server goes to activations and CUDA graphs before the KV cache, and each process's
-# CUDA context (~0.5-1 GB, the policy's too) sits OUTSIDE every fraction: budget ~3 GB for the four contexts. The policy's
-# training step was measured on an H200 (outputs/reference/gpu-check-20261204: random-init 7B shape, LoRA r=16, batch 16,
-# prompt 970 + completion 740, gradient checkpointing on, as the paper preset sets it): peak 34.1 GiB, 3.8 s; off: 134 GiB
-# at micro-batch 8, which would NOT fit beside the workers. --max-model-len
-# 8192 covers the executor's worst prompt (8 agents) plus a 1024-token reply, so the large server holds ~4 full-length or
-# ~20 typical (~1.5k-token) sequences at once; lower max_concurrency in the workers YAML if requests queue. AWQ keeps the
-# 14B / 32B within a few points of bf16 on GSM8K/MMLU in Qwen's reports; use the bf16 checkpoints when you have the memory
-# (a second GPU, or the multi-node form in README) and say which you used: it is part of the result.
+# Memory: `python -m lemon plan-gpu` (lemon/run/gpuplan.py) plans the card first and this script starts nothing when no
+# plan fits. The plan: checkpoint weights (7B bf16 ~14.2 GiB, 14B-AWQ ~9.3, 32B-AWQ ~18.0), ~2 GiB per server for
+# activations and CUDA graphs, a KV cache of at least one --max-model-len sequence per server, the policy's measured
+# training peak (outputs/reference/gpu-check-20261204: 34.1 GiB at micro-batch 16, gradient checkpointing on) and ~0.75
+# GiB of CUDA context per process, with 4 GiB to spare. An 80 GB H100 (79.2 GiB) cannot hold all of it with the policy
+# at micro-batch 16, so its plan trains at micro-batch 4 on the transformers backend (scripts/main.sh --profile paper
+# applies the plan's --set overrides); a 141 GB H200 keeps everything resident and gives the spare to the KV caches.
+# vLLM's --gpu-memory-utilization is a fraction of the WHOLE GPU that one server may hold (weights + activations + CUDA
+# graphs + KV cache), so co-located servers' fractions add up; the rest is the policy's. Servers start one after
+# another: each profiles the memory that is free when it starts. --max-model-len 8192 covers the executor's worst prompt
+# (8 agents) plus a 1024-token reply; lower max_concurrency in the workers YAML if requests queue. AWQ keeps the 14B /
+# 32B within a few points of bf16 on GSM8K/MMLU in Qwen's reports; use the bf16 checkpoints when you have the memory (a
+# second GPU, or the multi-node form in README) and say which you used: it is part of the result.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-read -r -a MODELS <<<"${LEMON_VLLM_MODELS:-Qwen/Qwen2.5-7B-Instruct Qwen/Qwen2.5-14B-Instruct-AWQ Qwen/Qwen2.5-32B-Instruct-AWQ}"
-read -r -a UTIL <<<"${LEMON_VLLM_UTIL:-0.15 0.13 0.22}"
-NAMES=(Qwen/Qwen2.5-7B-Instruct Qwen/Qwen2.5-14B-Instruct Qwen/Qwen2.5-32B-Instruct)  # = configs/workers-paper.yaml
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv-gpu/bin/python ]; then PY=.venv-gpu/bin/python
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3
+fi
+if [ "${LEMON_GPU_PLAN:-on}" = off ]; then
+  if [ -z "${LEMON_VLLM_UTIL:-}" ]; then
+    echo "vllm_workers: LEMON_GPU_PLAN=off needs LEMON_VLLM_UTIL (3 fractions)" >&2; exit 1
+  fi
+  NAMES=(Qwen/Qwen2.5-7B-Instruct Qwen/Qwen2.5-14B-Instruct Qwen/Qwen2.5-32B-Instruct)  # = configs/workers-paper.yaml
+  read -r -a MODELS <<<"${LEMON_VLLM_MODELS:-${NAMES[0]} ${NAMES[1]}-AWQ ${NAMES[2]}-AWQ}"
+else
+  plan_args=(--shell)
+  if [ -n "${LEMON_GPU_GIB:-}" ]; then plan_args+=(--gib "$LEMON_GPU_GIB"); fi
+  if [ -n "${LEMON_VLLM_MODELS:-}" ]; then
+    read -r -a m <<<"$LEMON_VLLM_MODELS"; plan_args+=(--checkpoints "${m[@]}")
+  fi
+  # the plan (NAMES, MODELS, UTIL, STRATEGY) or nothing: a card that holds no plan stops here, before any server starts
+  plan=$("$PY" -m lemon.run.gpuplan "${plan_args[@]}") || {
+    echo "vllm_workers: refused by the GPU memory plan above; nothing started (LEMON_GPU_PLAN=off skips it)" >&2
+    exit 1
+  }
+  eval "$plan"
+fi
+if [ -n "${LEMON_VLLM_UTIL:-}" ]; then read -r -a UTIL <<<"$LEMON_VLLM_UTIL"; fi
 PORTS=(8001 8002 8003)
 LOGS=${LEMON_VLLM_LOGS:-outputs/vllm-workers}
 VLLM=${VLLM:-$( [ -x .venv-gpu/bin/vllm ] && echo .venv-gpu/bin/vllm || echo vllm )}

@@ -25,7 +25,7 @@ class PolicyConfig:
     model: str = "qwen2.5-coder-0.5b"
     """A shipped model name (lemon.run.models.SHIPPED) or a HF hub id / local folder (paper profile: Qwen/Qwen2.5-7B-Instruct)."""
     backend: str = "auto"
-    """'auto' (Unsloth when CUDA and unsloth are available, else transformers), 'transformers' or 'unsloth'."""
+    """'auto' (Unsloth on CUDA, where it must be installed; transformers on a CPU), 'transformers' or 'unsloth'."""
     lora_r: int = 16
     """LoRA rank."""
     lora_alpha: int = 32
@@ -52,17 +52,40 @@ class PolicyConfig:
             raise ValueError("load_in_4bit needs the unsloth backend (bitsandbytes on CUDA)")
 
 
-def resolve_backend(cfg: PolicyConfig) -> str:
+UNSLOTH_INSTALL = "bash scripts/setup-gpu.sh"
+"""How Unsloth gets installed: the GPU environment .venv-gpu (requirements-gpu.txt)."""
+
+
+class UnslothMissingError(ImportError):
+    """The policy config asks for Unsloth (backend 'unsloth', or 'auto' on CUDA) and it cannot be imported."""
+
+
+def import_unsloth(cfg: PolicyConfig):
+    """The unsloth module, or an UnslothMissingError naming the install command: never a quiet switch to transformers,
+    whose memory and speed differ (only backend='transformers' runs without Unsloth on CUDA)."""
+    try:
+        import unsloth
+    except ImportError as e:
+        raise UnslothMissingError(
+            f"policy backend {cfg.backend!r}{' on CUDA' if cfg.backend == 'auto' else ''} needs Unsloth, which cannot "
+            f"be imported ({type(e).__name__}: {e}); install the GPU environment with `{UNSLOTH_INSTALL}` and run in "
+            ".venv-gpu, or ask for the transformers backend explicitly (--set train.policy.backend=transformers)"
+        ) from e
+    return unsloth
+
+
+def resolve_backend(cfg: PolicyConfig, cuda: bool | None = None) -> str:
+    """The backend the policy loads with: 'auto' is Unsloth on CUDA (which must then import: import_unsloth) and
+    transformers on a CPU; 'unsloth' is checked when load_policy imports it."""
     if cfg.backend != "auto":
         return cfg.backend
-    try:
+    if cuda is None:
         import torch
-        if torch.cuda.is_available():
-            import unsloth  # noqa: F401
-            return "unsloth"
-    except ImportError:
-        pass
-    return "transformers"
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        return "transformers"
+    import_unsloth(cfg)
+    return "unsloth"
 
 
 def weights_dtype(cfg: PolicyConfig, cuda: bool | None = None):
@@ -167,7 +190,7 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
         torch.manual_seed(seed)
     path = str(converted_dir(cfg.model)) if cfg.model in SHIPPED else cfg.model
     if backend == "unsloth":
-        from unsloth import FastLanguageModel
+        FastLanguageModel = import_unsloth(cfg).FastLanguageModel
         # use_exact_model_name: Unsloth otherwise remaps a hub id to its own re-upload (unsloth/...), a second download that
         # fails offline and silently changes which weights a run used (issue 29, finding 8)
         model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit,
