@@ -201,6 +201,12 @@ class TrainConfig:
     """Dynamic sampling: extra attempts for a group whose rewards have no spread (0 = keep every group as sampled)."""
     curriculum: bool = True
     """Prefer training questions whose groups had reward spread (labels from training executions)."""
+    mask_forced_tokens: bool = True
+    """Tokens the grammar forced (one allowed choice) get advantage 0 in both terms (lemon.train.grpo.forced_mask says
+    why); False = the whole completion carries the rollout's advantage, as before."""
+    stratify: bool = False
+    """Every step's questions go round-robin over the training benchmarks (the testbed's task types), so a step of Q >=
+    #benchmarks questions sees each of them (lemon.train.episodes.CurriculumSampler); False = drawn regardless of benchmark."""
     worker_seed_per_step: bool = False
     """A fresh worker seed each step (the testbed's simulated workers); False = the run seed always (greedy real workers)."""
     deterministic_workers: bool = False
