@@ -176,7 +176,7 @@ class GPUPlan:
                              f"margin {self.margin_gib}")
 
     def table(self) -> str:
-        s, w = self.strategy, 72
+        s, w = self.strategy, 74
         lines = [f"GPU plan for a {self.card_gib:.1f} GiB card: strategy '{s.name}': {s.about}",
                  f"{'component':<{w}}   GiB"]
         lines += [f"{name:<{w}} {gib:5.1f}" for name, gib in self.rows + (("margin left", self.margin_gib),)]
