@@ -139,16 +139,20 @@ def random_policy(tokenizer_dir: str | Path, out: str | Path, seed: int = 0, **s
     return Path(out)
 
 
-def cached_random_policy(seed: int, initializer_range: float = 0.2, tokenizer: str = "smollm2-135m") -> Path:
+def cached_random_policy(seed: int, initializer_range: float = 0.2, tokenizer: str = "smollm2-135m",
+                         tokenizer_dir: str | Path | None = None) -> Path:
     """random_policy(converted_dir(tokenizer), ..., seed, initializer_range) built once into the cache and reused: the draw
     is a pure function of its arguments (torch.manual_seed), so the folder name says everything about it. The testbed's
     many-seed study (issue 30) gives each training seed its own random policy this way. Init std 0.2, not HF's 0.02: at
     0.02 the logits span ~1 nat after the final norm and LoRA cannot sharpen them (LOG.md 2026-12-04, session 19)."""
-    out = cache_dir().parent / "random-policy" / f"tiny-{tokenizer}-init{initializer_range:g}-seed{seed}"
+    # tokenizer_dir: a tokenizer folder of the caller's (e.g. the testbed's small BPE, lemon.testbed.vocab); the folder
+    # name (which carries its digest there) then names the draw instead of `tokenizer`
+    name = Path(tokenizer_dir).name if tokenizer_dir is not None else tokenizer
+    out = cache_dir().parent / "random-policy" / f"tiny-{name}-init{initializer_range:g}-seed{seed}"
     if (out / "config.json").exists():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    random_policy(converted_dir(tokenizer), tmp, seed=seed, initializer_range=initializer_range)
+    random_policy(tokenizer_dir or converted_dir(tokenizer), tmp, seed=seed, initializer_range=initializer_range)
     try:
         os.replace(tmp, out)  # atomic, as converted_dir
     except OSError:  # another process (the study's other chain) finished the same draw first: keep its copy

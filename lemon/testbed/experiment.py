@@ -28,6 +28,7 @@ from lemon.prompts import Prompts
 from lemon.run.executor import ExecutorCaps
 from lemon.testbed.exact import exact_scorer_factory
 from lemon.testbed.sim import SimConfig
+from lemon.testbed.vocab import small_tokenizer_dir
 from lemon.testbed.world import SimWorld, duty_world, edge_world, mixed_world, tiny_world, two_type_world
 from lemon.train.config import train_preset
 from lemon.train.edits import FAMILIES
@@ -42,7 +43,7 @@ ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "
 WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world, "mixed": mixed_world}
 WORLDS = tuple(WORLD_BUILDERS)
 SCORINGS = ("exact", "sampled")
-BASES = ("preset", "random-tiny")
+BASES = ("preset", "random-tiny", "random-tiny-bpe")
 # the random-tiny base's LoRA (rank 8 on a 64-wide model) and fp32 weights, as the CI learning test trains it
 RANDOM_TINY = {"backend": "transformers", "lora_r": 8, "lora_alpha": 16, "dtype": "fp32"}
 
@@ -83,7 +84,8 @@ class ExperimentConfig:
     """The policy every run starts from: 'preset' (the trainer profile's policy, e.g. SmolLM2-135M for 'smoke') or
     'random-tiny' (a random 2-layer Qwen2 with SmolLM2's tokenizer, lemon.policy.model.cached_random_policy, drawn from the
     TRAINING seed: each seed is an independent policy, shared by every arm of that seed, so arms stay paired; ~10 s a step
-    on 2 cores, which is what makes >= 10 seeds per arm and world affordable, issue 30)."""
+    on 2 cores, which is what makes >= 10 seeds per arm and world affordable) or 'random-tiny-bpe' (the same draw on the
+    testbed's own 2,048-token BPE, lemon.testbed.vocab: every vocabulary-sized operation ~20x cheaper)."""
     scoring: str = "exact"
     """'exact': rollouts and edits rewarded with their exact expected reward (lemon.testbed.exact, no outcome noise);
     'sampled': executed on the simulated pool, one sampled outcome each (the real trainer's noise)."""
@@ -93,7 +95,7 @@ class ExperimentConfig:
             raise ValueError(f"scoring={self.scoring!r}; valid: {', '.join(SCORINGS)}")
         if self.base not in BASES:
             raise ValueError(f"base={self.base!r}; valid: {', '.join(BASES)}")
-        if self.base == "random-tiny" and self.init_adapter:
+        if self.base.startswith("random-tiny") and self.init_adapter:
             raise ValueError("base='random-tiny' draws a new policy per seed: an init_adapter trained for another base "
                              "cannot start it")
         if self.world not in WORLDS:
@@ -144,6 +146,9 @@ def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
             "benchmarks": tuple(world.config.benchmark_type), **ARMS[arm], **dict(exp.train_overrides)}
     if exp.base == "random-tiny":
         over["policy"] = PolicyConfig(model=str(policy_model.cached_random_policy(seed)), **RANDOM_TINY)
+    elif exp.base == "random-tiny-bpe":  # the same random draw shape on the testbed's 2,048-token BPE (lemon.testbed.vocab)
+        over["policy"] = PolicyConfig(model=str(policy_model.cached_random_policy(seed, tokenizer_dir=small_tokenizer_dir())),
+                                      **RANDOM_TINY)
     cfg = train_preset(exp.profile, **over)
     worst = world.worst_tokens(cfg.max_agents)
     caps = {c: max(int(cfg.worker_max_tokens.get(c, 0)), n) for c, n in world.worker_max_tokens().items()}

@@ -22,9 +22,10 @@ from lemon.testbed.sim import (KIND_OF, MessageReader, Node, SimBackend, SimConf
 from lemon.train.rewards import RewardConfig, compute_reward
 
 # What a duty must name to pay (lemon.testbed.sim.duty_effect): the testbed's worlds use letter pairs, not real words, so
-# that the random tiny policy meets them at step 0 (measured on 148 grammar-sampled random-tiny duties of 16 characters:
-# 're' in 19%, 'in' in 28%; 'solve', 'add', 'total', 'check', 'verify' in 0%): a policy then has something to find, and
-# m_R's delta has both signs. A language-model policy would be given real words ('solve', 'check').
+# that the random tiny policies meet them at step 0 (measured on grammar-sampled duties of 16 characters: 're' in 19% / 15%,
+# 'in' in 28% / 16% of 148 / 309 duties of the SmolLM2-vocabulary / testbed-BPE random policies; 'solve', 'add', 'total',
+# 'check', 'verify' in 0-1%): a policy then has something to find, and m_R's delta has both signs. A language-model policy
+# would be given real words ('solve', 'check').
 _WORDS = {"solve": ("re",), "check": ("in",)}
 _SOLVE_WORDS = {"solve": ("re",)}
 
