@@ -9,7 +9,7 @@ import pytest
 from lemon.prompts import default_prompts
 from lemon.run.executor import ExecutorCaps
 from lemon.spec import parse_spec
-from lemon.testbed.world import best_fixed, duty_world, edge_world, mixed_world, tiny_world
+from lemon.testbed.world import best_fixed, duty_world, edge_world, mixed_world, multi_world, tiny_world
 from lemon.train.edits import FAMILIES, apply_edit, eligible_sites
 from lemon.train.rewards import RewardConfig
 
@@ -40,6 +40,7 @@ def _contrasts(world, example, spec=None):
     (tiny_world, 0.9522, {"capacity"}, 0.05, set()),          # capacity pays (the original testbed)
     (duty_world, 0.9628, {"role"}, 0.3, {"capacity"}),        # role / duty decides; capacity edits change nothing
     (edge_world, 0.9700, {"edge"}, 0.3, {"capacity", "role"}),  # the solver -> verifier edge decides
+    (multi_world, 0.9287, {"edge", "role", "capacity"}, 0.02, set()),  # every field pays (capacity / duty modestly)
 ])
 def test_each_world_pays_through_its_field(build, optimum, pays, min_pay, idle):
     world = build(P, n=40) if build is not mixed_world else build(P)

@@ -29,7 +29,7 @@ from lemon.run.executor import ExecutorCaps
 from lemon.testbed.exact import exact_scorer_factory
 from lemon.testbed.sim import SimConfig
 from lemon.testbed.vocab import small_tokenizer_dir
-from lemon.testbed.world import SimWorld, duty_world, edge_world, mixed_world, tiny_world, two_type_world
+from lemon.testbed.world import SimWorld, duty_world, edge_world, mixed_world, multi_world, tiny_world, two_type_world
 from lemon.train.config import train_preset
 from lemon.train.edits import FAMILIES
 from lemon.train.pipeline import checkpoint_step, checkpoints, train
@@ -39,8 +39,10 @@ ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "
                             **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
 # world name -> builder: which spec field carries the reward (lemon.testbed.world; issue 30)
 #   tiny: capacity (one hard type);  duty: role / duty at equal capacity;  edge: a verifier reading the solver;
-#   mixed: two types whose best workers differ (only a policy that reads the question is optimal);  two: easy + hard
-WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world, "mixed": mixed_world}
+#   mixed: two types whose best workers differ (only a policy that reads the question is optimal);  two: easy + hard;
+#   multi: several fields each pay a little (capacity, a note, a checker, both duties)
+WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world, "mixed": mixed_world,
+                  "multi": multi_world}
 WORLDS = tuple(WORLD_BUILDERS)
 SCORINGS = ("exact", "sampled")
 BASES = ("preset", "random-tiny", "random-tiny-bpe")

@@ -65,6 +65,15 @@ MIXED = SimConfig(types={"specialist": TaskType({"small": 0.9, "medium": 0.4, "l
                   duty_words=_SOLVE_WORDS, off_duty_penalty=0.05)
 
 
+# multi: one type where SEVERAL live fields each carry a modest, signed effect on reward, through success and token cost
+# (where localized credit should pay most: a whole-spec advantage mixes them all). The solver's capacity (0.2 / 0.45 / 0.6,
+# a larger worker also costs more tokens), a note it reads (+0.1), a checker reading it (fixes 0.1 / 0.3 / 0.45 of wrong
+# answers) and both duties (+0.15 / +0.1 when they name 're' / 'in', -0.1 when they name neither).
+MULTI = SimConfig(types={"hard": TaskType({"small": 0.2, "medium": 0.45, "large": 0.6}, plan_bonus=0.1)},
+                  benchmark_type={"gsm8k": "hard"}, q_fix={"small": 0.1, "medium": 0.3, "large": 0.45},
+                  solve_duty_bonus=0.15, check_duty_bonus=0.1, duty_words=_WORDS, off_duty_penalty=0.1)
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Exact outcome of one spec on one example in the sim."""
@@ -300,6 +309,12 @@ def edge_world(prompts: Prompts, n: int | None = None) -> SimWorld:
     """GSM8K train, a verifier reading the solver decides success (EDGE)."""
     ex = B.pool("gsm8k", "train")
     return SimWorld(EDGE, prompts, ex[:n] if n else ex)
+
+
+def multi_world(prompts: Prompts, n: int | None = None) -> SimWorld:
+    """GSM8K train, several fields each pay a little (MULTI)."""
+    ex = B.pool("gsm8k", "train")
+    return SimWorld(MULTI, prompts, ex[:n] if n else ex)
 
 
 def mixed_world(prompts: Prompts) -> SimWorld:
