@@ -114,10 +114,17 @@ def test_study_tables_tests_and_plot(tmp_path):
     assert ref["best_fixed_regret"] == pytest.approx(regret) and regret > 0 and ref["types"] == ["easy", "hard"]
     assert w["train_s_per_run"] == pytest.approx(10.0)
     comp = {c["metric"]: c for c in rec["comparisons"]}
-    assert set(comp) == {"final_regret", "heldout_regret"}
+    assert set(comp) == {"final_regret", "heldout_regret", "mean_reward", "steps_to_threshold"}
     c = comp["final_regret"]
     assert (c["arm_better"], c["n"]) == (4, 4) and c["p_sign"] == pytest.approx(2 / 16)
-    assert c["p_wilcoxon"] == pytest.approx(2 / 16) and c["p_sign_holm"] == pytest.approx(min(1, 2 * 2 / 16))
+    # every metric favours cf in 4/4 seeds (p 2/16 each): Holm over the 4 rows gives 4 x 2/16
+    assert c["p_wilcoxon"] == pytest.approx(2 / 16) and c["p_sign_holm"] == pytest.approx(4 * 2 / 16)
+    assert comp["mean_reward"]["arm_better"] == 4 and comp["mean_reward"]["diff"] > 0  # higher reward is better
+    # cf reaches the threshold at step 3, global never: censored at max_steps + 1 = 5
+    assert comp["steps_to_threshold"]["diff"] == pytest.approx(3 - 5) and comp["steps_to_threshold"]["arm_better"] == 4
+    # 4 seeds cannot separate (Holm p 0.5), and a regret gap this large is not equivalent to 0 either
+    assert c["verdict"] == "inconclusive" and c["p_tost_holm"] > 0.5 and c["ci90"][1] < -0.05
+    assert "| verdict |" in md and "inconclusive" in md
     assert "## Paired by seed" in md and "| two | cf | global | final_regret |" in md
     assert (tmp_path / "out" / "plots" / "curves.png").stat().st_size > 10_000
     assert S.main([str(tmp_path / "empty")]) == 2  # a folder without experiments: a named error, exit 2
@@ -145,3 +152,30 @@ def test_cached_random_policy_is_built_once_and_reused():
     stamp = (p / "config.json").stat().st_mtime_ns
     assert cached_random_policy(0) == p and (p / "config.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert json.loads((p / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_tost_and_t_distribution():
+    """The t CDF against tabulated quantiles; TOST declares small paired differences equivalent at +/-0.05 and a real
+    difference not; a verdict reads the Holm-adjusted p-values."""
+    from lemon.testbed.stats import t_cdf, tost
+    assert t_cdf(2.262157, 9) == pytest.approx(0.975, abs=1e-6) and t_cdf(-1.833113, 9) == pytest.approx(0.05, abs=1e-6)
+    assert t_cdf(12.706205, 1) == pytest.approx(0.975, abs=1e-6) and t_cdf(0.0, 4) == 0.5
+    near = tost([0.01, -0.02, 0.0, 0.015, -0.01, 0.005, 0.0, -0.005, 0.01, 0.0], 0.05)
+    far = tost([0.2, 0.1, 0.15, 0.3, 0.0, 0.1, 0.2, 0.25, 0.1, 0.05], 0.05)
+    assert near["p_tost"] < 1e-6 and -0.05 < near["ci90"][0] < near["ci90"][1] < 0.05
+    assert far["p_tost"] > 0.9 and far["ci90"][0] > 0.05
+    wide = tost([0.3, -0.3, 0.2, -0.25], 0.05)  # no difference on average, but far too noisy to call equivalent
+    assert wide["p_tost"] > 0.3
+    row = {"p_wilcoxon_holm": 0.5, "p_tost_holm": 0.01, "tost_margin": 0.05, "arm_better": 3, "ref_better": 7}
+    assert S.verdict(row) == "equivalent (+/-0.05)"
+    assert S.verdict({**row, "p_wilcoxon_holm": 0.01}) == "separated: reference better"
+    assert S.verdict({**row, "p_tost_holm": 0.2}) == "inconclusive"
+
+
+def test_global_at_equal_executions_doubles_the_group():
+    exp = ExperimentConfig(world="two", profile="smoke", train_overrides={"num_generations": 4, "batch_size": 8})
+    cf, g2 = train_config("cf", 0, exp, WORLD), train_config("global-2x", 0, exp, WORLD)
+    assert (cf.num_generations, cf.batch_size, cf.cf_lambda) == (4, 8, 1.0)
+    # the same questions per step, twice the rollouts: G rollouts + G edits of cf = 2G executions
+    assert (g2.num_generations, g2.batch_size, g2.cf_lambda) == (8, 16, 0.0)
+    assert g2.batch_size // g2.num_generations == cf.batch_size // cf.num_generations

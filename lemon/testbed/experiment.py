@@ -36,7 +36,11 @@ from lemon.train.pipeline import checkpoint_step, checkpoints, train
 from lemon.train.rewards import RewardConfig
 
 ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "global": {"cf_lambda": 0.0},
+                            "global-2x": {"cf_lambda": 0.0},
                             **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
+# global GRPO at EQUAL EXECUTIONS: cf runs G rollouts + G edits per question, so this arm samples 2G rollouts per question
+# (the same questions per step; group size and batch doubled after every override)
+GROUP_FACTOR: Mapping[str, int] = {"global-2x": 2}
 # world name -> builder: which spec field carries the reward (lemon.testbed.world; issue 30)
 #   tiny: capacity (one hard type);  duty: role / duty at equal capacity;  edge: a verifier reading the solver;
 #   mixed: two types whose best workers differ (only a policy that reads the question is optimal);  two: easy + hard;
@@ -152,6 +156,10 @@ def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
         over["policy"] = PolicyConfig(model=str(policy_model.cached_random_policy(seed, tokenizer_dir=small_tokenizer_dir())),
                                       **RANDOM_TINY)
     cfg = train_preset(exp.profile, **over)
+    k = GROUP_FACTOR.get(arm, 1)
+    if k > 1:
+        cfg = replace(cfg, num_generations=k * cfg.num_generations, batch_size=k * cfg.batch_size,
+                      micro_batch=k * cfg.micro_batch)
     worst = world.worst_tokens(cfg.max_agents)
     caps = {c: max(int(cfg.worker_max_tokens.get(c, 0)), n) for c, n in world.worker_max_tokens().items()}
     # a fresh sim draw per step: with one fixed worker seed a spec would get the same lucky (or unlucky) outcome at every

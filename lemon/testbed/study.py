@@ -26,11 +26,17 @@ from lemon.prompts import Prompts, default_prompts
 from lemon.report import md_table, save
 from lemon.testbed.experiment import ExperimentConfig, collect, read_run_info, read_text, run_dirs, world_of_record
 from lemon.testbed.plots import _plt
-from lemon.testbed.stats import band, bootstrap_ci, holm, paired_effect, step_curves, steps_to_threshold
+from lemon.testbed.stats import band, bootstrap_ci, holm, paired_effect, step_curves, steps_to_threshold, tost
 from lemon.testbed.world import best_fixed
 
-METRICS = {"final_regret": "regret of the training samples, mean of the last final_window steps",
-           "heldout_regret": "greedy held-out regret at the last evaluation"}
+# metric -> (what it is, lower is better, TOST margin: equivalence of the paired mean difference within +/- margin)
+METRICS = {"final_regret": ("regret of the training samples, mean of the last final_window steps", True, 0.05),
+           "heldout_regret": ("greedy held-out regret at the last evaluation", True, 0.05),
+           "mean_reward": ("exact expected reward of the training samples, mean over every step (area under the curve)",
+                           False, 0.05),
+           "steps_to_threshold": ("first step whose running-mean sample regret <= threshold; max_steps + 1 when never "
+                                  "(censored)", True, None)}
+ALPHA = 0.05
 
 
 def load(root: Path, prompts: Prompts):
@@ -49,7 +55,8 @@ def per_run(samples: pd.DataFrame, heldout: pd.DataFrame, exp: ExperimentConfig)
         last = g[g["step"] > g["step"].max() - exp.final_window]
         row = {"arm": arm, "seed": seed, "final_regret": last["regret"].mean(),
                "final_regret_valid": last.loc[last["valid"], "regret"].mean(), "final_invalid": 1 - last["valid"].mean(),
-               "steps_to_threshold": steps_to_threshold(step_curves(g), exp.threshold, exp.smooth)}
+               "steps_to_threshold": steps_to_threshold(step_curves(g), exp.threshold, exp.smooth),
+               "mean_reward": g["expected_reward"].mean()}
         h = heldout[(heldout["arm"] == arm) & (heldout["seed"] == seed)] if len(heldout) else heldout
         if len(h):
             h0, h1 = h[h["step"] == h["step"].min()], h[h["step"] == h["step"].max()]
@@ -89,8 +96,11 @@ def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def comparisons(runs_by_world: dict[str, pd.DataFrame], base: str = "global") -> pd.DataFrame:
-    """Every (world, arm != base, metric) paired by seed against `base`, with Holm over ALL rows, per test."""
+def comparisons(runs_by_world: dict[str, pd.DataFrame], base: str = "global",
+                max_steps: dict[str, int] | None = None) -> pd.DataFrame:
+    """Every (world, arm != base, metric) paired by seed against `base`: effect, sign and Wilcoxon tests and a TOST,
+    each Holm-adjusted over ALL rows, and a verdict per row. max_steps (per world) censors steps_to_threshold."""
+    max_steps = max_steps or {}
     rows = []
     for world, runs in runs_by_world.items():
         if base not in set(runs["arm"]):
@@ -98,17 +108,38 @@ def comparisons(runs_by_world: dict[str, pd.DataFrame], base: str = "global") ->
         ref = runs[runs["arm"] == base].set_index("seed")
         for arm in [a for a in runs["arm"].unique() if a != base]:
             mine = runs[runs["arm"] == arm].set_index("seed")
-            for m in METRICS:
+            for m, (_, lower, margin) in METRICS.items():
                 if m not in mine or m not in ref:
                     continue
+                a, r = mine[m], ref[m]
+                if m == "steps_to_threshold":  # censored: a run that never reached the threshold ranks after all others
+                    cap = max_steps.get(world, 0) + 1
+                    a, r = a.fillna(cap), r.fillna(cap)
                 # seeds both arms finished (a run still in progress, or not evaluated, has NaN there): the pairs
-                both = (mine[m].dropna().index).intersection(ref[m].dropna().index)
-                d = (mine.loc[sorted(both), m] - ref.loc[sorted(both), m]).to_numpy()
-                rows.append({"world": world, "arm": arm, "vs": base, "metric": m, **paired_effect(d)})
+                both = sorted(a.dropna().index.intersection(r.dropna().index))
+                d = (a.loc[both] - r.loc[both]).to_numpy()
+                eq = tost(d, margin) if margin else {"tost_margin": float("nan"), "p_tost": float("nan"),
+                                                       "ci90": (float("nan"), float("nan"))}
+                rows.append({"world": world, "arm": arm, "vs": base, "metric": m, **paired_effect(d, lower), **eq})
     df = pd.DataFrame(rows)
     if len(df):
         df["p_sign_holm"], df["p_wilcoxon_holm"] = holm(df["p_sign"]), holm(df["p_wilcoxon"])
+        t = df["p_tost"].notna()
+        df["p_tost_holm"] = float("nan")
+        if t.any():
+            df.loc[t, "p_tost_holm"] = holm(df.loc[t, "p_tost"])
+        df["verdict"] = [verdict(r) for r in df.to_dict(orient="records")]
     return df
+
+
+def verdict(row: dict) -> str:
+    """'separated' (Wilcoxon, Holm), else 'equivalent' (TOST at the metric's margin, Holm), else 'inconclusive' (neither:
+    the seeds cannot tell a difference of the margin's size from none)."""
+    if row["p_wilcoxon_holm"] < ALPHA:
+        return "separated: " + ("arm better" if row["arm_better"] > row["ref_better"] else "reference better")
+    if row.get("p_tost_holm") == row.get("p_tost_holm") and row["p_tost_holm"] < ALPHA:
+        return f"equivalent (+/-{row['tost_margin']:g})"
+    return "inconclusive"
 
 
 def curves_grid(data: dict, refs: dict, note: str):
@@ -144,7 +175,7 @@ def curves_grid(data: dict, refs: dict, note: str):
 
 def _fmt(frame: pd.DataFrame) -> pd.DataFrame:
     f = frame.copy()
-    for c in [c for c in f.columns if c.endswith("_ci")]:
+    for c in [c for c in f.columns if c.endswith("_ci") or c == "ci90"]:
         f[c] = f[c].map(lambda ci: "-" if ci[0] != ci[0] else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]")
     return f
 
@@ -173,7 +204,7 @@ def study(root: Path, out: Path | None = None, prompts: Prompts | None = None) -
         secs = [sum(h.get("step_time", 0) for h in json.loads(t)["history"])
                 for t in (read_text(d / "train.json") for d in run_dirs(folder)) if t]
         times[name] = float(np.mean(secs)) if secs else float("nan")
-    comp = comparisons(runs)
+    comp = comparisons(runs, max_steps={w: e.max_steps for w, e in exps.items()})
     note = ("SIMULATED workers (lemon.testbed); bands = 95% bootstrap CI of the mean over seeds; legend = seeds; "
             f"regenerate: python -m lemon.testbed.study {root}")
     save(curves_grid(data, refs, note), out / "plots" / "curves.png")
@@ -197,10 +228,13 @@ def study(root: Path, out: Path | None = None, prompts: Prompts | None = None) -
         md += [f"## {w}", "", f"{e.max_steps} steps, {e.train_questions} training / {e.heldout_questions} held-out "
                f"questions, base `{e.base}`, overrides {dict(e.train_overrides)}; threshold {e.threshold:g} "
                f"({e.smooth}-step running mean).", "", md_table(_fmt(tables[w])), ""]
-    cols = ["world", "arm", "vs", "metric", "n", "diff", "diff_ci", "dz", "arm_better", "ref_better", "ties", "p_sign",
-            "p_sign_holm", "p_wilcoxon", "p_wilcoxon_holm"]
+    cols = ["world", "arm", "vs", "metric", "n", "diff", "diff_ci", "dz", "arm_better", "ref_better", "ties", "p_sign_holm",
+            "p_wilcoxon", "p_wilcoxon_holm", "ci90", "p_tost_holm", "verdict"]
     md += ["## Paired by seed: each arm minus global GRPO", "",
-           "diff < 0 favours the arm (regrets). Holm over all rows of this table, separately for each test.", "",
+           "diff < 0 favours the arm for regrets and steps, diff > 0 for mean reward. Holm over all rows of this table, "
+           "separately for each test. `ci90` and `p_tost`: two one-sided paired t-tests of |diff| < 0.05 (equivalence; "
+           "steps to threshold has no margin). Verdict: separated (Wilcoxon), else equivalent (TOST), else inconclusive.",
+           "", "Metrics: " + "; ".join(f"`{m}` = {d}" for m, (d, _, _) in METRICS.items()) + ".", "",
            md_table(_fmt(comp[cols])) if len(comp) else "(no global arm: nothing to pair)", "",
            "![curves](plots/curves.png)", ""]
     p = out / "study.md"
