@@ -8,6 +8,10 @@ Unconstrained (constraint=None) is the ablation: the invalid-spec penalty applie
 The sampling distribution under a grammar is the policy's softmax renormalised over the allowed tokens; the trainer's
 log-probs (TRL) are of the unmasked policy. Forced tokens (one allowed choice) then have ratio-1 gradients only through
 the unmasked log-prob; that is the usual practice with constrained RL sampling and is stated here so nobody is surprised.
+Each Sample records how many tokens were allowed at every position (Sample.n_allowed; Sample.forced where one was), so a
+trainer can leave forced tokens out of credit assignment, and sample_specs(keep_masks=True) keeps the masks themselves
+for log-probs under the renormalised distribution (masked_logprobs). By default a base_role or capacity value has ONE
+token path, the tokenizer's own (GrammarConstraint.canonical; lemon.spec.grammar.GrammarCache.matcher says why).
 
 Seeding: the whole call runs under torch.random.fork_rng with torch.manual_seed(seed), so the same seed, prompts and model
 give the same samples and the caller's global RNG is untouched. temperature 0 is greedy (evaluation of a trained policy).
@@ -15,7 +19,7 @@ give the same samples and the caller's global RNG is untouched. temperature 0 is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from lemon.spec.grammar import GrammarCache, GrammarError, SpecGrammar, require_llguidance
 from lemon.policy.dtype import sampling_context
@@ -35,6 +39,19 @@ class Sample:
     """EOS was generated (under a grammar: the spec was complete); False when max_new_tokens cut it."""
     n_tokens: int
     """len(token_ids)."""
+    n_allowed: tuple[int, ...] = ()
+    """Per position of token_ids, how many tokens the sampler could choose from: under a grammar the size of the allowed
+    set it sampled from (1: a forced token, e.g. a key or a quote); unconstrained, the logits width. Empty only for a
+    Sample built by hand."""
+    allowed_masks: Any = field(default=None, compare=False, repr=False)
+    """sample_specs(keep_masks=True): the allowed-token bitmask at every position, an int32 tensor (n_tokens,
+    ceil(V/32)), bit t % 32 of word t // 32 set when token t was allowed (llguidance's layout; all ones unconstrained).
+    masked_logprobs turns it into log-probs under the renormalised distribution the sampler drew from. Else None."""
+
+    @property
+    def forced(self) -> tuple[bool, ...]:
+        """Per position: the grammar allowed exactly one token there (no choice, so no credit to assign)."""
+        return tuple(k == 1 for k in self.n_allowed)
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,9 @@ class GrammarConstraint:
     """One grammar for every prompt, or a tuple with one per prompt."""
     cache: GrammarCache = field(default_factory=GrammarCache, compare=False)
     """Pass the trainer's cache so each (tokenizer, grammar) compiles once per run."""
+    canonical: bool = True
+    """Each base_role / capacity value has one token path, the tokenizer's own (GrammarCache.matcher): the choice of a
+    value is then one decision with one probability. False: any token path that spells the value (the text grammar)."""
 
     def __post_init__(self):
         g = self.grammars
@@ -86,11 +106,13 @@ def _vocab_width(model, tokenizer) -> int:
 
 
 def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, temperature: float, max_new_tokens: int,
-                 seed: int, constraint: GrammarConstraint | None = None, dtype: str = "model") -> list[Sample]:
+                 seed: int, constraint: GrammarConstraint | None = None, dtype: str = "model",
+                 keep_masks: bool = False) -> list[Sample]:
     """n completions for each chat prompt (lemon.eval.orchestrator.orchestrator_messages), prompt-major order: samples
     [i*n:(i+1)*n] answer prompts[i]. `dtype`: 'model' (its own weights' dtype) or 'autocast_bf16' (measured 3x slower
     for decoding; lemon.policy.dtype). For bf16 speed on a native-bf16 CPU pass a lemon.policy.dtype.SamplingCopy's sync()
-    as the model. The model may be a peft model (adapters stay unmerged); its train/eval mode is restored afterwards."""
+    as the model. The model may be a peft model (adapters stay unmerged); its train/eval mode is restored afterwards.
+    keep_masks: also return each sample's allowed-token bitmasks (Sample.allowed_masks; ~V/8 bytes per token)."""
     import torch
     if n < 1 or max_new_tokens < 1 or temperature < 0:
         raise ValueError(f"need n >= 1, max_new_tokens >= 1 and temperature >= 0 (got {n}, {max_new_tokens}, {temperature})")
@@ -104,11 +126,13 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
     dev = model.device
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in enc], device=dev)  # (P, T) left-padded
     attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in enc], device=dev)  # (P, T)
-    procs = []
+    procs, mask = [], None
+    n_vocab = _vocab_width(model, tokenizer)
     if constraint is not None:
         grammars = [g for g in constraint.for_prompts(len(prompts)) for _ in range(n)]
-        procs.append(GrammarMask(tokenizer, grammars, constraint.cache, prompt_len=width, eos_ids=eos,
-                                 n_vocab=_vocab_width(model, tokenizer)))
+        mask = GrammarMask(tokenizer, grammars, constraint.cache, prompt_len=width, eos_ids=eos, n_vocab=n_vocab,
+                           canonical=constraint.canonical, keep_masks=keep_masks)
+        procs.append(mask)
     from transformers import GenerationConfig, LogitsProcessorList
     sample = temperature > 0
     # every sampling knob explicit: generate() fills unset ones from the model's generation_config (hub Qwen sets top_k=20,
@@ -129,14 +153,41 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
     finally:
         model.train(was_training)
     new = out[:, width:].tolist()  # (B, L)
+    counts = mask.allowed_counts() if mask is not None else None  # (B, L)
     samples = []
     eos_set = set(eos)
     for r, toks in enumerate(new):
         cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)  # HF pads only after a row's EOS
         toks = toks[:cut] if cut is not None else toks
+        n_allowed = tuple(counts[r][:len(toks)]) if counts is not None else (n_vocab,) * len(toks)
+        masks = None
+        if keep_masks:
+            masks = mask.row_masks(r, len(toks)) if mask is not None else \
+                torch.full((len(toks), (n_vocab + 31) // 32), -1, dtype=torch.int32)  # (L, ceil(V/32)) all allowed
         samples.append(Sample(r // n, tuple(toks), tokenizer.decode(toks, skip_special_tokens=True), cut is not None,
-                              len(toks)))
+                              len(toks), n_allowed, masks))
     return samples
+
+
+def unpack_bitmask(bitmask, n_vocab: int):
+    """llguidance's packed allowed-token bitmask (..., ceil(V/32)) int32 -> (..., n_vocab) bool: token t is bit t % 32
+    of word t // 32 (llguidance.torch.apply_token_bitmask_inplace's layout)."""
+    import torch
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :n_vocab]  # (..., V)
+
+
+def masked_logprobs(logits, allowed_masks, token_ids=None):
+    """Log-probs under the distribution a constrained sampler draws from: log-softmax over the allowed tokens only
+    (the policy's softmax renormalised over them; forbidden tokens get -inf). logits (..., L, V), already divided by the
+    sampling temperature; allowed_masks (..., L, ceil(V/32)) int32 (Sample.allowed_masks). With token_ids (..., L):
+    their log-probs, (..., L); without: the whole (..., L, V). Differentiable in the logits."""
+    import torch
+    allowed = unpack_bitmask(allowed_masks.to(logits.device), logits.shape[-1])  # (..., L, V)
+    lp = torch.log_softmax(logits.float().masked_fill(~allowed, float("-inf")), -1)  # (..., L, V)
+    if token_ids is None:
+        return lp
+    return lp.gather(-1, torch.as_tensor(token_ids, device=logits.device).long().unsqueeze(-1)).squeeze(-1)  # (..., L)
 
 
 def _shared_prefix_cache(model, ids, attn, n: int):
@@ -160,23 +211,26 @@ def _shared_prefix_cache(model, ids, attn, n: int):
 class GrammarMask:
     """A transformers LogitsProcessor: row b's logits keep only the tokens its grammar allows next. Each call first feeds
     the previous step's sampled token to the row's matcher, then fills all rows' bitmasks (llguidance, in parallel
-    threads) and applies them. Finished rows (EOS taken) are left unmasked: generate() overwrites their tokens with pad."""
+    threads) and applies them. Finished rows (EOS taken) are left unmasked: generate() overwrites their tokens with pad.
+    Each call also records how many tokens every row was allowed (one sum over the (B, V) mask it builds anyway) and,
+    with keep_masks, a copy of the packed bitmask: step t of generate() is position t of each completion."""
 
     def __init__(self, tokenizer, grammars: Sequence[SpecGrammar], cache: GrammarCache, *, prompt_len: int,
-                 eos_ids: Sequence[int], n_vocab: int):
+                 eos_ids: Sequence[int], n_vocab: int, canonical: bool = True, keep_masks: bool = False):
         import torch
         llg, _ = require_llguidance()
         import llguidance.torch as llg_torch
         self._fill = llg_torch.fill_next_token_bitmask_par
-        self.matchers = [cache.matcher(tokenizer, g, n_vocab=n_vocab, eos_ids=eos_ids) for g in grammars]
+        self.matchers = [cache.matcher(tokenizer, g, n_vocab=n_vocab, eos_ids=eos_ids, canonical=canonical)
+                         for g in grammars]
         self.executor = llg.LLExecutor()
         self.prompt_len, self.eos, self.n_vocab = prompt_len, set(eos_ids), n_vocab
         self.done = [False] * len(grammars)
         self.bitmask = torch.full(((len(grammars)), (n_vocab + 31) // 32), -1, dtype=torch.int32)  # (B, ceil(V/32))
-        self._shifts = torch.arange(32, dtype=torch.int32)  # (32,)
+        self.counts: list = []  # per step: (B,) allowed-token counts
+        self.masks: list | None = [] if keep_masks else None  # per step: (B, ceil(V/32)) copies
 
     def __call__(self, input_ids, scores):
-        import torch
         if input_ids.shape[1] > self.prompt_len:
             for b, t in enumerate(input_ids[:, -1].tolist()):
                 if self.done[b]:
@@ -189,5 +243,20 @@ class GrammarMask:
         self.bitmask.fill_(-1)
         if live:
             self._fill(self.executor, live, self.bitmask)
-        allowed = ((self.bitmask.unsqueeze(-1) >> self._shifts) & 1).bool().flatten(1)[:, :scores.shape[1]]  # (B, V)
+        allowed = unpack_bitmask(self.bitmask, scores.shape[1])  # (B, V)
+        self.counts.append(allowed.sum(-1))  # (B,)
+        if self.masks is not None:
+            self.masks.append(self.bitmask.clone())
         return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+    def allowed_counts(self) -> list[list[int]]:
+        """(B, steps) allowed-token counts, one row per sample."""
+        import torch
+        return torch.stack(self.counts, 1).tolist() if self.counts else [[] for _ in self.matchers]
+
+    def row_masks(self, row: int, length: int):
+        """Row `row`'s bitmasks of its first `length` steps, (length, ceil(V/32)) int32."""
+        import torch
+        if not length:
+            return self.bitmask.new_empty((0, self.bitmask.shape[1]))
+        return torch.stack([m[row] for m in self.masks[:length]])  # (length, ceil(V/32))
