@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from lemon.prompts import CAPACITIES, Prompts
-from lemon.spec.schema import DUTY_CHARS, MAX_AGENTS, MAX_LEN, ROLE_CHARS, TEXT_PUNCT, _scalar
+from lemon.spec.schema import DUTY_CHARS, MAX_AGENTS, MAX_LEN, ROLE_CHARS, TEXT_PUNCT, Agent, Spec, _scalar
 
 PIN = "llguidance==1.9.1"
 
@@ -131,7 +131,6 @@ def canonical_value_tokens(hf_tokenizer, base_roles: Sequence[str]) -> dict[str,
     right after the key's colon and end right before the newline (the grammar then keeps it as text). Both shipped
     byte-level BPEs split ': large\\n' as ':' | ' large' | '\\n...' (their pre-tokenisers cut before a space-letter run and
     before a newline), so every value is delimited there."""
-    from lemon.spec.schema import Agent, Spec
     out: dict[str, dict[str, tuple[int, ...] | None]] = {"base_role": {}, "capacity": {}}
     for fld, values in (("base_role", base_roles), ("capacity", CAPACITIES)):
         for v in values:
