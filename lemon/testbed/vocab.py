@@ -11,6 +11,12 @@ train pools, canonical specs of every base role and capacity), and so is the BPE
 level like SmolLM2's, so every string stays encodable and llguidance reads it like any HF byte-level tokenizer). The chat
 template and the special tokens (<|im_start|>, <|im_end|>, <|endoftext|>) are SmolLM2's, so prompts are laid out the same
 way. Built once into the cache, keyed by the corpus's sha256 and the vocabulary size.
+
+One thing transformers does on top: a random policy's folder (lemon.policy.model.random_policy, a Qwen2 config) reloads
+this tokenizer as Qwen2Tokenizer, whose pre-tokenizer also splits digits and newlines apart (a spec takes ~20% more tokens
+than with the trained one: 51 vs 43 on a one-agent spec). The vocabulary and merges are the same, the policy always loads
+through its own folder (sampling, the trainer, the grammar), so all of them agree; SmolLM2's random-tiny base does the
+same.
 """
 from __future__ import annotations
 
