@@ -39,15 +39,20 @@ def measure_world(world_name, a, prompts) -> dict:
                 CreditConfig(group=a.group, draws=a.draws, reference_samples=a.ref, seed=a.seed))
     t0 = time.perf_counter()
     n, ref = a.ref, None
-    while True:
+    saved = a.out / f"reference-{world_name}.npz"  # the halves, kept: more draws or estimators reuse them
+    if saved.exists():
+        z = np.load(saved)
+        h1, h2, total = z["h1"], z["h2"], int(z["total"])
+    while not saved.exists():
         m.cfg = CreditConfig(group=a.group, draws=a.draws, reference_samples=n, seed=a.seed)
         h1, h2, total = m.reference(seed=a.seed)
         agree = cosine(h1, h2)
         print(f"[credit] {world_name}: reference {total} samples/question, halves agree {agree:.3f}", flush=True)
-        ref = (h1 + h2) / 2
         if agree >= a.agree or 2 * n > a.max_ref:
+            np.savez(saved, h1=h1, h2=h2, total=total)
             break
         n *= 2
+    agree, ref = cosine(h1, h2), (h1 + h2) / 2
     ref_s = time.perf_counter() - t0
     cos = {e: [] for e in ESTIMATORS}
     corr = {e: [] for e in ESTIMATORS}
@@ -74,7 +79,7 @@ def write_md(out: Path, rec: dict) -> Path:
              "|---" * (5 + len(ESTIMATORS)) + "|"]
     for w in rec["worlds"].values():
         cells = [f"{w['summary'][e]['mean']:+.3f} [{w['summary'][e]['lo']:+.3f}, {w['summary'][e]['hi']:+.3f}]"
-                 for e in ESTIMATORS]
+                 if e in w["summary"] else "-" for e in ESTIMATORS]
         pd = [f"{v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}]" for v in w["paired"].values()]
         lines.append(f"| {w['world']} | {w['reference_samples_per_question']} | {w['reference_halves_cosine']:.3f} | "
                      + " | ".join(cells + pd) + " |")
@@ -83,9 +88,9 @@ def write_md(out: Path, rec: dict) -> Path:
               "estimators of a pair):", "", "| world | " + " | ".join(ESTIMATORS) + " |",
               "|---" * (1 + len(ESTIMATORS)) + "|"]
     for w in rec["worlds"].values():
+        c = w["summary_corrected"]
         lines.append(f"| {w['world']} | " + " | ".join(
-            f"{w['summary_corrected'][e]['mean']:+.3f} [{w['summary_corrected'][e]['lo']:+.3f}, "
-            f"{w['summary_corrected'][e]['hi']:+.3f}]" for e in ESTIMATORS) + " |")
+            f"{c[e]['mean']:+.3f} [{c[e]['lo']:+.3f}, {c[e]['hi']:+.3f}]" if e in c else "-" for e in ESTIMATORS) + " |")
     p = out / "credit.md"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
     rec = json.loads(path.read_text()) if path.exists() else {"label": a.label, "command": command, "worlds": {}}
     prompts = default_prompts()
     for w in a.worlds:
-        if w in rec["worlds"]:
+        if w in rec["worlds"] and set(rec["worlds"][w]["summary"]) >= set(ESTIMATORS):
             continue
         rec["worlds"][w] = measure_world(w, a, prompts)
         s = rec["worlds"][w]["summary"]

@@ -14,7 +14,9 @@ scale 'none', the unmasked log-probs TRL uses, forced-token masking as TrainConf
   cf@G      the same G specs plus one counterfactual edit each (the trainer's own edit sampler and span mapping):
             + lambda * delta_i on the edited span's tokens. Same policy samples as grpo@G;
   grpo@2G   2G specs per question: as many executions as cf@G (G rollouts + G edits);
-  cf-term   cf@G minus grpo@G: the counterfactual term alone.
+  cf-term   cf@G minus grpo@G: the counterfactual term alone;
+  ... masked  grpo@G / cf@G with the grammar-renormalised log-probs (the sampler's own) instead of the unmasked ones:
+            what the estimators would be if the trainer scored tokens as the sampler draws them.
 For each estimator: the cosine of its gradient with the reference, over D independent draws (mean and a bootstrap CI).
 A better estimator per unit of budget has the higher cosine at equal samples (cf@G vs grpo@G) or equal executions
 (cf@G vs grpo@2G).
@@ -34,7 +36,7 @@ from lemon.testbed.exact import ExactScorer
 from lemon.train.cf import step_advantages
 from lemon.train.edits import FAMILIES, FamilySampler
 
-ESTIMATORS = ("grpo@G", "cf@G", "grpo@2G", "cf-term")
+ESTIMATORS = ("grpo@G", "cf@G", "grpo@2G", "cf-term", "grpo@G masked", "cf@G masked")
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ class Measure:
     def draw(self, d: int) -> dict[str, np.ndarray]:
         """One draw of every estimator (grpo@G and cf@G share their samples; grpo@2G adds G more per question)."""
         G = self.cfg.group
-        groups = self.sample(2 * G, seed=self.cfg.seed + d)
+        groups = self.sample(2 * G, seed=self.cfg.seed + d, keep_masks=True)
         sc = self.scorer()
         first = [grp[:G] for grp in groups]
         recs = sc.score([(self.examples[q].id, s.text, s.token_ids, q, 0) for q, grp in enumerate(first) for s in grp])
@@ -163,6 +165,7 @@ class Measure:
         out = {}
         for name, lam in (("grpo@G", 0.0), ("cf@G", self.cfg.cf_lambda)):
             out[name] = self.grad(self._weighted(flat, recs, lam))
+            out[f"{name} masked"] = self.grad(self._weighted(flat, recs, lam, masked=True))
         out["cf-term"] = out["cf@G"] - out["grpo@G"]
         recs2 = self.scorer().score([(self.examples[q].id, s.text, s.token_ids, q, 0) for q, grp in enumerate(groups)
                                      for s in grp])
@@ -170,7 +173,7 @@ class Measure:
         out["grpo@2G"] = self.grad(self._weighted(flat2, recs2, 0.0))
         return out
 
-    def _weighted(self, samples, recs, lam: float):
+    def _weighted(self, samples, recs, lam: float, masked: bool = False):
         """(q, sample, per-token weights, unmasked) items: the trainer's (B, T) advantages (lemon.train.cf), forced tokens
         zeroed when cfg.mask_forced."""
         import torch
@@ -186,7 +189,7 @@ class Measure:
             w = adv[i, :len(s.token_ids)].clone()  # (L,)
             if self.cfg.mask_forced:
                 w[torch.tensor(s.forced, dtype=torch.bool)] = 0.0
-            items.append((recs[i].group, s, w, False))
+            items.append((recs[i].group, s, w, masked))
         return items
 
 
