@@ -102,31 +102,38 @@ class Measure:
             k += 1
         return out  # [question][sample]
 
+    def logprobs(self, chunk) -> list:
+        """Each item's (L,) token log-probs, differentiable in the LoRA weights: chunk = [(question, sample, masked)],
+        one left-padded forward; log-probs of the unmasked policy (masked=False, what the trainer reads) or of the
+        grammar-renormalised one the sampler drew from (masked=True), at the sampling temperature."""
+        import torch
+        seqs = [self.prompt_ids[q] + list(s.token_ids) for q, s, _ in chunk]
+        width = max(map(len, seqs))
+        pad = self.tok.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in seqs])  # (b, T) left-padded
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in seqs])  # (b, T)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, T)
+        keep = max(len(s.token_ids) for _, s, _ in chunk) + 1  # left-padded: every completion is in the tail
+        self.model.eval()  # no dropout: the policy that sampled
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                            logits_to_keep=keep).logits  # (b, keep, V): the LM head only where it is read
+        out = []
+        for b, (_, s, masked) in enumerate(chunk):
+            L = len(s.token_ids)
+            lg = logits[b, keep - L - 1:keep - 1].float() / self.cfg.temperature  # (L, V) predicts y_1..y_L
+            y = torch.tensor(s.token_ids)  # (L,)
+            out.append(masked_logprobs(lg, s.allowed_masks, y) if masked else
+                       torch.log_softmax(lg, -1).gather(-1, y[:, None]).squeeze(-1))  # (L,)
+        return out
+
     def grad(self, items) -> np.ndarray:
-        """Flat LoRA gradient of sum over items (q, sample, weights (L,) or scalar, masked) of sum_t w_t log p(y_t),
-        log p from the unmasked policy (masked=False, as the trainer) or the grammar-renormalised one (masked=True)."""
+        """Flat LoRA gradient of sum over items (q, sample, weights (L,) or scalar, masked) of sum_t w_t log p(y_t)."""
         import torch
         grads = [torch.zeros_like(p) for p in self.params]
-        self.model.eval()  # no dropout: the gradient of the policy that sampled
         for start in range(0, len(items), self.cfg.batch):
             chunk = items[start:start + self.cfg.batch]
-            seqs = [self.prompt_ids[q] + list(s.token_ids) for q, s, _, _ in chunk]
-            width = max(map(len, seqs))
-            pad = self.tok.pad_token_id
-            ids = torch.tensor([[pad] * (width - len(x)) + x for x in seqs])  # (b, T) left-padded
-            attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in seqs])  # (b, T)
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, T)
-            keep = max(len(s.token_ids) for _, s, _, _ in chunk) + 1  # left-padded: every completion is in the tail
-            logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                                logits_to_keep=keep).logits  # (b, keep, V): the LM head only where it is read
-            total = 0.0
-            for b, (q, s, w, masked) in enumerate(chunk):
-                L = len(s.token_ids)
-                lg = logits[b, keep - L - 1:keep - 1].float() / self.cfg.temperature  # (L, V) predicts y_1..y_L
-                y = torch.tensor(s.token_ids)  # (L,)
-                lp = masked_logprobs(lg, s.allowed_masks, y) if masked else \
-                    torch.log_softmax(lg, -1).gather(-1, y[:, None]).squeeze(-1)  # (L,)
-                total = total + (torch.as_tensor(w, dtype=lp.dtype) * lp).sum()
+            lps = self.logprobs([(q, s, masked) for q, s, _, masked in chunk])
+            total = sum((torch.as_tensor(w, dtype=lp.dtype) * lp).sum() for (_, _, w, _), lp in zip(chunk, lps))
             g = torch.autograd.grad(total, self.params, allow_unused=True)
             for acc, x in zip(grads, g):
                 if x is not None:

@@ -76,7 +76,7 @@ def setup(world: str = "duty", seed: int = 0, group: int = 4, cf_lambda: float =
     train_ex, heldout = split_examples(w, questions, k, exp.data_seed)
     model, tok = load_policy(tcfg.policy, seed=seed)
     m = Measure(model, tok, w, train_ex, prompts, tcfg, run_caps(tcfg), CreditConfig(group=group, cf_lambda=cf_lambda,
-                                                                                      seed=seed))
+                                                                                      seed=seed, temperature=tcfg.temperature))
     opt = torch.optim.AdamW(m.params, lr=learning_rate, weight_decay=0.0)  # the HF Trainer's defaults but the rate
     return Bench(w, prompts, tcfg, m, m.scorer(), opt, heldout)
 
@@ -228,20 +228,9 @@ def plot_advantages(adv: dict[str, torch.Tensor]) -> Figure:
 
 def token_logprobs(bench: Bench, batch: Batch) -> list[torch.Tensor]:
     """Each rollout's (L,) log-probs of its tokens under the UNMASKED policy at the sampling temperature (what TRL's
-    loss reads), differentiable in the LoRA weights; one left-padded forward of the batch."""
+    loss reads), differentiable in the LoRA weights; one left-padded forward of the batch (credit.Measure.logprobs)."""
     m = bench.measure
-    seqs = [m.prompt_ids[batch.questions[s.prompt_index]] + list(s.token_ids) for s in batch.samples]
-    width = max(map(len, seqs))
-    ids = torch.tensor([[m.tok.pad_token_id] * (width - len(x)) + x for x in seqs])  # (B, W)
-    attn = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in seqs])[:, None]).long()  # (B, W)
-    m.model.eval()  # no dropout: the policy that sampled
-    logits = m.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
-    out = []
-    for b, s in enumerate(batch.samples):
-        lg = logits[b, width - s.n_tokens - 1:width - 1].float()  # (L, V): position t predicts token t + 1
-        lp = torch.log_softmax(lg / bench.tcfg.temperature, -1)  # (L, V)
-        out.append(lp.gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1))  # (L,)
-    return out
+    return m.logprobs([(batch.questions[s.prompt_index], s, False) for s in batch.samples])
 
 
 def optimizer_step(bench: Bench, batch: Batch, adv: dict[str, torch.Tensor]) -> dict:
