@@ -5,8 +5,8 @@ cosine of each estimator (grpo@G, cf@G, grpo@2G, the cf term alone) with it over
     .venv/bin/python experiments/grad_cosine.py --worlds duty tiny edge mixed --out outputs/credit/step0
     .venv/bin/python experiments/grad_cosine.py --worlds duty --adapter RUN/grpo/checkpoint-50 --label step50 --out ...
 
-Writes OUT/credit.json (every cosine, the reference's size and half-agreement, the command) and OUT/credit.md; prints one
-line per world. Resumable per world: a world already in credit.json is skipped.
+Writes OUT/credit.json (every cosine, the reference's size and half-agreement, the command), OUT/credit.md and
+OUT/credit.png; prints one line per world. Resumable per world: a world already in credit.json is skipped.
 """
 from __future__ import annotations
 
@@ -96,6 +96,35 @@ def write_md(out: Path, rec: dict) -> Path:
     return p
 
 
+def write_plot(out: Path, rec: dict) -> Path:
+    """Per world, each estimator's disattenuated cosine with the reference (mean and 95% CI over draws)."""
+    from lemon.report import save
+    from lemon.testbed.plots import _plt
+    plt = _plt()
+    worlds = list(rec["worlds"].values())
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(worlds) + 2), 3.6))
+    width = 0.8 / len(ESTIMATORS)
+    for k, e in enumerate(ESTIMATORS):
+        xs, ms, err = [], [], [[], []]
+        for i, w in enumerate(worlds):
+            c = w["summary_corrected"].get(e)
+            if c is None:
+                continue
+            xs.append(i + (k - (len(ESTIMATORS) - 1) / 2) * width)
+            ms.append(c["mean"])
+            err[0].append(c["mean"] - c["lo"])
+            err[1].append(c["hi"] - c["mean"])
+        ax.bar(xs, ms, width, yerr=err, capsize=2, label=e, color=f"C{k}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(worlds)), [f"{w['world']}\n(ref halves {w['reference_halves_cosine']:.2f})" for w in worlds])
+    ax.set_ylabel("cosine with grad E[R] (disattenuated)")
+    ax.set_title(f"Which estimator points where the expected reward rises? ({rec['label']})", fontsize=9)
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return save(fig, out / "credit.png")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", nargs="+", default=["duty", "tiny", "edge", "mixed"])
@@ -122,7 +151,7 @@ def main(argv=None) -> int:
         s = rec["worlds"][w]["summary"]
         print(f"[credit] {w}: " + "  ".join(f"{e} {s[e]['mean']:+.3f}" for e in ESTIMATORS), flush=True)
         path.write_text(json.dumps(rec, indent=1))
-    print(f"[credit] {write_md(a.out, rec)}")
+    print(f"[credit] {write_md(a.out, rec)}  {write_plot(a.out, rec)}")
     return 0
 
 
