@@ -138,13 +138,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ref", type=int, default=2048)
     ap.add_argument("--agree", type=float, default=0.9)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--report", action="store_true", help="only rewrite credit.md / credit.png from OUT/credit.json")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "credit.json"
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     rec = json.loads(path.read_text()) if path.exists() else {"label": a.label, "command": command, "worlds": {}}
     prompts = default_prompts()
-    for w in a.worlds:
+    for w in ([] if a.report else a.worlds):
         if w in rec["worlds"] and set(rec["worlds"][w]["summary"]) >= set(ESTIMATORS):
             continue
         rec["worlds"][w] = measure_world(w, a, prompts)
