@@ -392,6 +392,7 @@ def test_a_new_benchmark_is_one_record(tmp_path):
     import sys
     root = Path(__file__).resolve().parents[1]
     shutil.copytree(root / "lemon", tmp_path / "lemon", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "configs", tmp_path / "configs")  # the package reads its profiles from <repo>/configs
     with open(tmp_path / "lemon" / "benchmarks" / "records.py", "a") as f:
         f.write(TOY_RECORD)
     data = tmp_path / "data" / "toyarith"
