@@ -108,12 +108,17 @@ def _vocab_width(model, tokenizer) -> int:
 
 def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, temperature: float, max_new_tokens: int,
                  seed: int, constraint: GrammarConstraint | None = None, dtype: str = "model",
-                 keep_masks: bool = False) -> list[Sample]:
+                 keep_masks: bool = False, decoder: str = "auto") -> list[Sample]:
     """n completions for each chat prompt (lemon.eval.orchestrator.orchestrator_messages), prompt-major order: samples
     [i*n:(i+1)*n] answer prompts[i]. `dtype`: 'model' (its own weights' dtype) or 'autocast_bf16' (measured 3x slower
     for decoding; lemon.policy.dtype). For bf16 speed on a native-bf16 CPU pass a lemon.policy.dtype.SamplingCopy's sync()
     as the model. The model may be a peft model (adapters stay unmerged); its train/eval mode is restored afterwards.
-    keep_masks: also return each sample's allowed-token bitmasks (Sample.allowed_masks; ~V/8 bytes per token)."""
+    keep_masks: also return each sample's allowed-token bitmasks (Sample.allowed_masks; ~V/8 bytes per token).
+    decoder: 'loop' (lemon.policy.decode), 'generate' (transformers), or 'auto': the loop on the CPU for a model whose
+    forward returns a transformers Cache, generate otherwise (Unsloth's patched generate on CUDA). Both draw from the same
+    distribution with different random streams, so a seed's samples depend on the decoder."""
+    if decoder not in ("auto", "loop", "generate"):
+        raise ValueError(f"decoder={decoder!r}; valid: auto, loop, generate")
     import torch
     if n < 1 or max_new_tokens < 1 or temperature < 0:
         raise ValueError(f"need n >= 1, max_new_tokens >= 1 and temperature >= 0 (got {n}, {max_new_tokens}, {temperature})")
@@ -149,7 +154,8 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
             # Unsloth's generate() sets cache_implementation, which transformers refuses beside a cache: no shared prefix
             cache = None if generate_is_unsloth(model) else _shared_prefix_cache(model, ids, attn, n)
             torch.manual_seed(seed)
-            if cache is not None and dev.type == "cpu":  # the plain loop (lemon.policy.decode: ~1.5x per decoding step)
+            loop = decoder == "loop" or (decoder == "auto" and cache is not None and dev.type == "cpu")
+            if loop:  # the plain loop (lemon.policy.decode: ~1.3-1.5x per decoding step on the CPU)
                 new = decode(model, ids, attn, n=n, temperature=temperature, max_new_tokens=max_new_tokens, eos_ids=eos,
                              pad_id=pad, processors=procs, seed=seed, cache=cache)  # (B, L) cut after each row's EOS
             else:
