@@ -4,6 +4,7 @@ No lemon imports: every stage may use it."""
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,18 +28,22 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def _prefixes(root: Path | None = None, home: Path | None = None) -> list[tuple[str, str]]:
+def _prefixes(root: Path | None = None, home: Path | None = None, tmp: Path | None = None) -> list[tuple[str, str]]:
     """(machine prefix, what a record writes instead), longest first: the repo root (default ROOT), the folder holding
-    it (the shared data mirror sits beside the repo), the home folder (default: the user's)."""
+    it (the shared data mirror sits beside the repo), the home folder (default: the user's), the temp folder (default:
+    tempfile.gettempdir(); e.g. the managed servers' logs, gone after the run)."""
     root, home = ROOT if root is None else root, Path.home() if home is None else home
-    pairs = [(str(root), "."), (str(root.parent), ".."), (str(home), "~")]
+    tmp = Path(tempfile.gettempdir()) if tmp is None else tmp
+    pairs = [(str(root), "."), (str(root.parent), ".."), (str(home), "~"), (str(tmp), "$TMPDIR")]
+    # stable sort: on a tie (a checkout directly in the temp folder) the repo's own prefixes win
     return sorted(((p, s) for p, s in pairs if len(Path(p).parts) > 1), key=lambda ps: -len(ps[0]))
 
 
-def portable_text(text: str, root: Path | None = None, home: Path | None = None) -> str:
+def portable_text(text: str, root: Path | None = None, home: Path | None = None, tmp: Path | None = None) -> str:
     """`text` with every absolute path under the repo root made relative to it (`/x/repo/outputs/a` -> `outputs/a`,
-    the root itself -> `.`), under its parent folder written `../...`, and under the home folder `~/...`."""
-    for prefix, short in _prefixes(root, home):
+    the root itself -> `.`), under its parent folder written `../...`, under the home folder `~/...` and under the temp
+    folder `$TMPDIR/...`."""
+    for prefix, short in _prefixes(root, home, tmp):
         pat = re.compile(r"(?<![\w.~/-])" + re.escape(prefix) + r"(?=/|(?![\w.-]))(/?)")
         text = pat.sub(lambda m: "" if short == "." and m.group(1) else short + m.group(1), text)
     return text

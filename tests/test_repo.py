@@ -157,11 +157,11 @@ def test_testbed_imports_nothing_from_the_study():
 
 def test_committed_records_name_no_machine_path():
     """Tracked text files under outputs/reference name the repo's files relative to it (lemon.report): no '/work/',
-    '/root/' or this checkout's own path. Compressed and binary files are not read."""
+    '/root/', '/tmp/' or this checkout's own path. Compressed and binary files are not read."""
     import subprocess
     files = subprocess.run(["git", "ls-files", "-z", "outputs/reference"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split("\0")
-    marks = ("/work/", "/root/", f"{ROOT}/")
+    marks = ("/work/", "/root/", "/tmp/", f"{ROOT}/")
     bad = []
     for rel in filter(None, files):
         data = (ROOT / rel).read_bytes() if (ROOT / rel).is_file() else b""

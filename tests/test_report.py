@@ -21,9 +21,10 @@ ROOT, HOME = Path("/srv/x/lemon"), Path("/home/me")
                                                                           "`.venv/bin/llama-server`"),
     ("/srv/x/shared/data/gsm8k/test.jsonl", "../shared/data/gsm8k/test.jsonl"),
     ("/home/me/.cache/lemon/models/q.gguf", "~/.cache/lemon/models/q.gguf"),
-    ("/srv/x/lemonade/a", "../lemonade/a"), ("/tmp/run", "/tmp/run"), ("a/srv/x/lemon/b", "a/srv/x/lemon/b")])
+    ("/srv/x/lemonade/a", "../lemonade/a"), ("/tmp/run/x.log", "$TMPDIR/run/x.log"), ("/opt/run", "/opt/run"),
+    ("a/srv/x/lemon/b", "a/srv/x/lemon/b")])
 def test_portable_text(text, want):
-    assert portable_text(text, ROOT, HOME) == want
+    assert portable_text(text, ROOT, HOME, Path("/tmp")) == want
 
 
 def _absolute(obj) -> list[str]:
@@ -62,5 +63,6 @@ def test_summary_md_names_the_folder_not_the_machine(tmp_path, monkeypatch):
     text = Path(write_summary(study_preset("test"), paths)).read_text()
     assert "Folder `outputs/test-1`" in text and "--out outputs/test-1`" in text and str(tmp_path) not in text
     monkeypatch.undo()
+    assert shown_path("/opt/nowhere/run") == "run"  # outside the repo, its folder, home and temp: the name only
     if not {report.ROOT.parent, Path.home()} & set(tmp_path.parents):
-        assert shown_path(tmp_path / "run") == "run"  # outside the repo, its folder and home: the name only
+        assert shown_path(tmp_path / "run").startswith("$TMPDIR/")  # the temp folder: named by its variable

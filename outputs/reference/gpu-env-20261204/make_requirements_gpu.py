@@ -1,8 +1,8 @@
 """Turn pip's dry-run report of requirements-gpu.in into the hashed requirements-gpu.txt (+ resolved.txt beside this file).
 
-    python3.12 -m venv /tmp/gpuresolve && /tmp/gpuresolve/bin/pip install -U pip
-    /tmp/gpuresolve/bin/python outputs/reference/gpu-env-20261204/make_requirements_gpu.py --print-command  # run what it prints
-    /tmp/gpuresolve/bin/python outputs/reference/gpu-env-20261204/make_requirements_gpu.py report.json [DATE]
+    python3.12 -m venv $TMPDIR/gpuresolve && $TMPDIR/gpuresolve/bin/pip install -U pip
+    $TMPDIR/gpuresolve/bin/python outputs/reference/gpu-env-20261204/make_requirements_gpu.py --print-command  # run what it prints
+    $TMPDIR/gpuresolve/bin/python outputs/reference/gpu-env-20261204/make_requirements_gpu.py report.json [DATE]
 
 Each package gets the sha256 of EVERY wheel of its resolved version that CPython 3.12 on manylinux x86_64 can install (from
 PyPI's JSON simple index), not only the file the dry run picked: pip on a machine with another glibc may pick another wheel
@@ -21,7 +21,7 @@ from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 PLATS_RESOLVE = [f"manylinux_2_{v}_x86_64" for v in range(35, 16, -1)] + ["manylinux2014_x86_64"]
-COMMAND = ("PIP_CONFIG_FILE=/dev/null /tmp/gpuresolve/bin/python -m pip install --isolated --dry-run --ignore-installed "
+COMMAND = ("PIP_CONFIG_FILE=/dev/null $TMPDIR/gpuresolve/bin/python -m pip install --isolated --dry-run --ignore-installed "
            "--report report.json --python-version 3.12 --implementation cp --abi cp312 "
            + " ".join(f"--platform {p}" for p in PLATS_RESOLVE)
            + " --only-binary=:all: --use-feature=fast-deps --index-url https://pypi.org/simple -r requirements-gpu.in")
