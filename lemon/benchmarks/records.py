@@ -1,4 +1,4 @@
-"""One record per benchmark (issue 31): its domain, answer kind, splits, hub id, which splits feed the training and the
+"""One record per benchmark: its domain, answer kind, splits, hub id, which splits feed the training and the
 evaluation pools, and how a data row becomes an Example. Adding a benchmark = one BenchmarkRecord in RECORDS (plus its
 row converter and its data at <data dir>/<name>/<split>.jsonl); data.py, registry.py and pools.py derive every table
 from RECORDS (tests/test_benchmarks.py adds a toy one). A new answer kind needs code in answers.py / registry.py; a new

@@ -123,7 +123,7 @@ def example_spec(name: str, example, domain: str, *, prompts: Prompts, capacity:
                  seed: int = 0) -> Spec:
     """The spec a baseline runs on one example. Only Random depends on the example: its DAG is keyed by (seed, example id),
     so reruns and resumes redraw the same DAG. One fixed Random DAG per run would be one more fixed topology (with 3 agents,
-    seed 0 drew exactly Complete's DAG in the 2026-11-30 cpu study); a DAG per question makes it a random-topology baseline."""
+    seed 0 drew exactly Complete's DAG in outputs/reference/cpu-20261130); a DAG per question makes it a random-topology baseline."""
     return baseline_spec(name, domain, capacity=capacity, n_agents=n_agents, seed=seed, prompts=prompts,
                          draw=str(example.id) if name == "random" else "")
 

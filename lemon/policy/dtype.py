@@ -1,12 +1,12 @@
-"""Which float format the policy samples in on CPU, detected rather than assumed (issue 11, "Policy speed on CPU").
+"""Which float format the policy samples in on CPU, detected rather than assumed.
 
 bf16 matmuls are fast only where the CPU has native bf16 dot products (AVX512_BF16 or AMX) and oneDNN (mkldnn) uses them;
-elsewhere torch emulates bf16 and it is slower than fp32 (an older project note "bf16 unusable on CPU" came from such a CPU).
+elsewhere torch emulates bf16 and it is slower than fp32.
 
-Measured 2026-12-01 on this AVX512_BF16 CPU (bench/grammar_bench.py --dtype: Qwen2.5-Coder-0.5B, batch 8 = 1 prompt x 8,
+On an AVX512_BF16 CPU (LOG.md, 2026-12-01; bench/grammar_bench.py --dtype: Qwen2.5-Coder-0.5B, batch 8 = 1 prompt x 8,
 32 new tokens, 2 torch threads, other jobs running, so noisy): fp32 weights 17.8 tok/s end to end, bf16 weights 28.7,
 fp32 + torch.autocast(bf16) 5.5 (autocast re-casts every weight at every decoding step, which dominates a memory-bound
-decode; it pays off for training's long forward+backward instead, issue 11). So sampling never autocasts by default, and on
+decode; it pays off for training's long forward+backward instead). So sampling never autocasts by default, and on
 a native-bf16 CPU ('auto' -> 'bf16_merged') it runs on a bf16 copy of the policy with the LoRA adapters merged in
 (merged_copy, made afresh per rollout; 1.6x the fp32 decode, see there); the trainer's fp32 model is never converted.
 'bf16_copy' (SamplingCopy: unmerged adapters, only LoRA weights re-copied) stays as an option. Elsewhere: the fp32 model.
@@ -35,8 +35,8 @@ def merged_copy(model, dtype=None):
     """A plain (no peft) copy of a peft `model` with its LoRA adapters merged into the weights, in `dtype` (default
     sampling_weights_dtype), in eval mode: what 'bf16_merged' samples. Made afresh for each rollout (the adapters change
     every step): ~3.6 s for the 0.5B here, against ~20% of every decoding step that unmerged LoRA layers cost
-    (measured 2026-12-01, 0.5B, batch 8, 100 tokens, 2 threads: fp32 + LoRA 533 ms/step, bf16 + LoRA (SamplingCopy)
-    398, bf16 merged 326; LOG.md). A model without adapters is copied as it is."""
+    (LOG.md, 2026-12-01: 0.5B, batch 8, 100 tokens, 2 threads: fp32 + LoRA 533 ms/step, bf16 + LoRA (SamplingCopy)
+    398, bf16 merged 326). A model without adapters is copied as it is."""
     dtype = dtype or sampling_weights_dtype(model.device)
     m = copy.deepcopy(model)
     if hasattr(m, "merge_and_unload"):
@@ -63,7 +63,7 @@ def cpu_bf16_flags(cpuinfo: str | None = None) -> set[str]:
 
 def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
     """True when bf16 on CPU is native: oneDNN is available and reports bf16 support, and the CPU has a bf16 flag.
-    (The flag alone is not enough: a VM may report AMX it does not enable, issue 12; oneDNN probes what actually runs.)"""
+    (The flag alone is not enough: a VM may report AMX it does not enable; oneDNN probes what actually runs.)"""
     import torch
     try:
         mkldnn_bf16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

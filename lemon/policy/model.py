@@ -90,8 +90,7 @@ def resolve_backend(cfg: PolicyConfig, cuda: bool | None = None) -> str:
 
 def weights_dtype(cfg: PolicyConfig, cuda: bool | None = None):
     """The dtype the base weights load in. fp32 on a CPU (the trainer autocasts the loss to bf16 where that is native);
-    bf16 on CUDA: an fp32 7B policy is 30 GB before activations, and the old fp32 load ran a GPU out of memory (issue 29,
-    finding 6)."""
+    bf16 on CUDA: an fp32 7B policy is 30 GB before activations."""
     import torch
     if cfg.dtype != "auto":
         return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
@@ -143,8 +142,8 @@ def cached_random_policy(seed: int, initializer_range: float = 0.2, tokenizer: s
                          tokenizer_dir: str | Path | None = None) -> Path:
     """random_policy(converted_dir(tokenizer), ..., seed, initializer_range) built once into the cache and reused: the draw
     is a pure function of its arguments (torch.manual_seed), so the folder name says everything about it. The testbed's
-    many-seed study (issue 30) gives each training seed its own random policy this way. Init std 0.2, not HF's 0.02: at
-    0.02 the logits span ~1 nat after the final norm and LoRA cannot sharpen them (LOG.md 2026-12-04, session 19)."""
+    many-seed study gives each training seed its own random policy this way. Init std 0.2, not HF's 0.02: at
+    0.02 the logits span ~1 nat after the final norm and LoRA cannot sharpen them (LOG.md, 2026-12-04)."""
     # tokenizer_dir: a tokenizer folder of the caller's (e.g. the testbed's small BPE, lemon.testbed.vocab); the folder
     # name (which carries its digest there) then names the draw instead of `tokenizer`
     name = Path(tokenizer_dir).name if tokenizer_dir is not None else tokenizer
@@ -196,7 +195,7 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
     if backend == "unsloth":
         FastLanguageModel = import_unsloth(cfg).FastLanguageModel
         # use_exact_model_name: Unsloth otherwise remaps a hub id to its own re-upload (unsloth/...), a second download that
-        # fails offline and silently changes which weights a run used (issue 29, finding 8)
+        # fails offline and silently changes which weights a run used
         model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit,
                                                        dtype=weights_dtype(cfg), use_exact_model_name=True)
         if lora or adapter is not None:

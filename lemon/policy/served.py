@@ -1,7 +1,7 @@
 """The orchestrator policy served by `llama-server` for fast greedy evaluation: the trained policy's exact base weights
 (the shipped GGUF dequantized to F32), its LoRA converted to GGUF, and the spec grammar applied HERE, token by token, by the
 same llguidance matcher the transformers sampler uses. Why: on 2 cores transformers writes one greedy spec of the 0.5B
-policy in ~30-50 s (LOG.md, issue 13's cost model); evaluating a trained policy on 150+ questions needs it much cheaper.
+policy in ~30-50 s (LOG.md, 2026-12-02); evaluating a trained policy on 150+ questions needs it much cheaper.
 
 What is the same as the transformers policy (lemon.policy.model, lemon.eval.orchestrator.PolicySpecWriter):
   - base weights: `base_gguf(weights='f32')` dequantizes the shipped GGUF with gguf-py, the function transformers uses;

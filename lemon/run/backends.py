@@ -2,8 +2,8 @@
 
 Two real implementations of one `Backend` protocol: any OpenAI-compatible server (the embedded default's managed
 llama-servers from lemon.run.servers, vLLM, Ollama, hosted APIs) and HF transformers (GPU, or a policy checkpoint used as a
-worker). The in-process llama-cpp-python backend was removed in issue 12: managed llama-servers batch concurrent requests
-(measured in LOG.md, bench/server_bench.py), and one worker path is simpler.
+worker). There is no in-process llama.cpp backend: managed llama-servers batch concurrent requests
+(LOG.md, 2026-12-01; bench/server_bench.py), and one worker path is simpler.
 Real calls report the backend's OWN token counts: the paper's cost axis is tokens, so a backend that cannot say how many it
 used raises instead of counting 0. The pool, the fake backend and the token meter are in lemon.run.workers.
 """

@@ -33,8 +33,8 @@ CACHE_VERSION = 1  # bump when the meaning of a cache entry changes; old entries
 
 # Smallest reply cap per benchmark domain. Code needs more room than a number or a letter: the coder workers echo the
 # HumanEval prompt (signature + docstring, ~100-300 tokens) before writing the body, so at the training caps (medium 256)
-# every HumanEval reply of the 2026-11-30 cpu study was cut off (0/2 for every method) while the same 0.5B worker passed 2 of 6
-# with 384 tokens (LOG.md, issue 11 defect 9).
+# every HumanEval reply of outputs/reference/cpu-20261130 was cut off (0/2 for every method) while the same 0.5B worker passed 2 of 6
+# with 384 tokens (LOG.md, 2026-12-01, defect 9).
 MIN_REPLY_TOKENS = {"math": 0, "knowledge": 0, "code": 512}
 
 

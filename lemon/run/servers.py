@@ -1,4 +1,4 @@
-"""llama.cpp's `llama-server` processes that lemon starts and owns: the embedded default's workers (issue 12).
+"""llama.cpp's `llama-server` processes that lemon starts and owns: the embedded default's workers.
 
 One server per shipped model (capacity ladder small / medium / large, paper §3 — here SmolLM2-135M / Qwen2.5-Coder-0.5B /
 -1.5B), each with several slots and continuous batching, so the agents of a DAG level, the questions of an eval and the
@@ -63,7 +63,7 @@ class ServerCrashedError(ServerError):
 # Client settings under which a llama-server's greedy reply is reproducible: continuous batching decodes a request together
 # with whatever else is in flight, and ggml's CPU kernels do not give bit-identical results for different batch shapes, nor
 # for a prompt prefilled in pieces from its cache (llama.cpp issues #7052, #6950); one request at a time with the prompt cache
-# off removes both (measured: bench/flip_rate.py, LOG.md 2026-12-04 session 19).
+# off removes both (measured: bench/flip_rate.py, outputs/reference/flip-rate-20261205).
 DETERMINISTIC = {"max_concurrency": 1, "extra_body": {"top_k": 0, "min_p": 0.0, "cache_prompt": False}}
 
 
@@ -93,7 +93,7 @@ class ServerConfig:
     deterministic: bool = False
     """Replies that do not depend on what else is in flight: lemon's client sends one request at a time to this server
     and turns llama-server's prompt cache off (DETERMINISTIC). Greedy replies otherwise change with the batch they are
-    decoded in (issue 30: bench/flip_rate.py measures it); costs the server's batching throughput."""
+    decoded in (bench/flip_rate.py measures it); costs the server's batching throughput."""
     extra_args: tuple[str, ...] = ()
     """Further llama-server flags, appended as given."""
     env: tuple[tuple[str, str], ...] = (("OMP_WAIT_POLICY", "PASSIVE"),)

@@ -56,7 +56,7 @@ class FakeBackend:
 
 
 BACKENDS = ("llama_server", "llama_cpp", "openai", "transformers", "fake")
-SERVER_BACKENDS = ("llama_server", "llama_cpp")  # "llama_cpp" (configs before issue 12) now means a managed llama-server
+SERVER_BACKENDS = ("llama_server", "llama_cpp")  # "llama_cpp" (older configs' name) means a managed llama-server
 SERVER_KEYS = tuple(f.name for f in dataclasses.fields(ServerConfig))
 
 

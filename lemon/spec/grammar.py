@@ -12,12 +12,12 @@ accepts, and exactly the text Spec.to_yaml() writes for a canonical() spec (the 
         ...
     final: a<n>
 
-Why this shape (issue 11, measured before this module): the plain spec.json_schema() as a constraint gave 0/4 valid specs from
+Why this shape: the plain spec.json_schema() as a constraint gave 0/4 valid specs from
 the 0.5B at T=1, two running to the token cap inside unbounded strings and two naming non-agents in depends_on. So every
 string is bounded, ids are fixed by position (a1..an) and agent k's dependencies are a choice among a1..a(k-1), each at most
 once, in increasing order; `final` is always the last agent (paper §3.1: every agent can then matter). n is 1..max_agents.
 
-Why llguidance (measured 2026-12-01 on the shared 2-core machine, other jobs running; bench/grammar_bench.py --libs):
+Why llguidance (bench/grammar_bench.py --libs on a shared 2-core machine, other jobs running):
 install 7.6 MB in 1.8 s with no dependencies, vs xgrammar 0.2.8's ~1 GB (triton 999 MB, apache-tvm-ffi) in 11 s; the same
 Lark text compiles in 0.01-0.02 s per grammar after a one-off 3-4 s tokenizer conversion (Qwen2.5; SmolLM2 0.4-1.2 s), vs
 xgrammar's 1.3-1.7 s tokenizer plus 6-12 s per grammar (one per domain and max_agents); mask + consume per decoding step

@@ -154,7 +154,7 @@ def _scalar(s: str) -> str:
 # or '#', so a double-quoted value needs no escape and cannot end the YAML scalar early. Starts with a letter, ends with a
 # non-space (parse_spec strips values, so a trailing space could not round-trip).
 TEXT_PUNCT = " ,.;()'/?!+*=<>-"
-ROLE_CHARS, DUTY_CHARS = 48, 200  # grammar bounds: an unbounded string ran to the token cap (issue 11: 2 of 4 samples at T=1)
+ROLE_CHARS, DUTY_CHARS = 48, 200  # grammar bounds: an unbounded string ran to the token cap (2 of 4 samples at T=1; lemon.spec.grammar)
 _TEXT_MAP = {":": " -", '"': "'", "\\": "/", "#": "no. ", "%": " percent", "&": " and ", "_": " ", "[": "(", "]": ")",
              "{": "(", "}": ")", "|": "/", "`": "'", "\u2018": "'", "\u2019": "'", "\u201c": "'", "\u201d": "'",
              "\u2013": "-", "\u2014": "-", "\u2212": "-", "\u00d7": "*", "\u00f7": "/"}

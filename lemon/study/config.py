@@ -95,7 +95,7 @@ class StudyConfig:
     that exists), and the final adapter."""
     eval_concurrency: int = 1
     """Questions in flight in every evaluation of the study (lemon.eval.runner.run_eval): the llama-servers batch their
-    worker calls (4 slots each), ~1.1-1.5x the questions per minute on 2 cores (LOG.md session 7); answers are not
+    worker calls (4 slots each), ~1.1-1.5x the questions per minute on 2 cores (LOG.md, 2026-12-01); answers are not
     bit-identical to concurrency 1 (batch shape changes greedy replies, lemon.run.servers.DETERMINISTIC)."""
     policy_server: bool = False
     """Trained policies write their evaluation specs on llama-server (lemon.policy.served: the same F32 weights and

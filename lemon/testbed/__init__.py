@@ -1,4 +1,4 @@
-"""A known-optimum testbed for CF-GRPO (issue 13): SIMULATED workers with an explicit success and cost model (`sim`), a world
+"""A known-optimum testbed for CF-GRPO: SIMULATED workers with an explicit success and cost model (`sim`), a world
 of real train-pool examples with the exact expected reward, optimum and regret of any spec (`world`, `search`), and the
 experiment driver and plots that compare training arms on it (`experiment`, `plots`). Only the workers are simulated: the
 parser, executor, prompts, edits and trainer are the project's own. `exact` rewards each rollout and edit with its exact

@@ -4,7 +4,7 @@ Free text never matters to the sim (only kind, capacity, customized-or-not and p
 `Node`s; `spec_of` turns one into a real Spec (representative base roles, duties customized or default) that the real reward
 function reads. The search enumerates every structure left after these pruning arguments. Each argument replaces a spec by
 one whose success probability is no lower and whose tokens, agents and edges are no higher, so it is exact under three
-properties of the reward that `search` checks on the reward it is given (lemon.train.rewards; issue 11 asks for the first):
+properties of the reward that `search` checks on the reward it is given (lemon.train.rewards; RewardConfig checks the first):
   (R1) for fixed spec and tokens, a success scores at least a failure;  (R2) fewer worker tokens never score less;
   (R3) fewer agents / edges / unreachable agents never score less (graph cost is a cost).
 The success probability of the final agent is non-decreasing in every solver's p and every checker's q (a W -> C switch of

@@ -1,4 +1,4 @@
-"""SIMULATED workers with an explicit success and cost model: a known-optimum testbed for CF-GRPO (issue 13, part 1).
+"""SIMULATED workers with an explicit success and cost model: a known-optimum testbed for CF-GRPO.
 
 Only the workers are simulated. The spec parser, the executor (lemon.run.executor: levels, node cache, token budget), the
 worker prompts (lemon/prompts.yaml), the edits and the real benchmark scorer are the project's own. A `SimBackend` (one per

@@ -124,7 +124,7 @@ def composition(samples: pd.DataFrame, steps: int = 2) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-# ---- paired tests across seeds (issue 30; scipy is not a dependency, so the exact null distributions are computed here) --
+# ---- paired tests across seeds (scipy is not a dependency, so the exact null distributions are computed here) ---------
 def sign_test(diffs) -> float:
     """Two-sided exact sign test of paired differences: p = P(|#pos - n/2| >= observed) under Binomial(n, 1/2), zero
     differences dropped (the usual convention). 1.0 when every difference is zero."""

@@ -1,4 +1,4 @@
-"""The credit-assignment study across worlds (issue 30): one folder per world, each a testbed experiment
+"""The credit-assignment study across worlds: one folder per world, each a testbed experiment
 (lemon.testbed.experiment) with arms cf and global at >= 10 seeds and, on the mixed world, the single edit families.
 
     python -m lemon.testbed.study ROOT [--out DIR]      # ROOT = the folder experiments/cf_seeds.sh filled

@@ -2,7 +2,7 @@
 
 Why: a random 2-layer policy with SmolLM2's 49,152-token vocabulary spends most of a testbed step on the vocabulary, not
 the model: the LM head and its log-softmax (forward and backward), the sampler and the grammar mask each touch every token
-at every position (measured on 2 cores: ~4 s of a ~15 s step in the loss's LM-head backward, ~10 ms of each ~30 ms
+at every position (on 2 cores, LOG.md 2026-12-07: ~4 s of a ~15 s step in the loss's LM-head backward, ~10 ms of each ~30 ms
 decoding step in the sampler). The testbed's policy is random anyway, so its vocabulary is a free choice; a few thousand
 tokens learned from the texts the policy reads and writes make every vocabulary-sized operation ~20x cheaper.
 

@@ -2,7 +2,7 @@
 small policy writes valid multi-agent specs before CF-GRPO starts.
 
 Why: the base SmolLM2-135M writes planner-only specs; in the simulated world a spec without a solver never succeeds, so
-every sample of every group has expected reward 0 and there is no gradient at all (LOG.md, 2026-12-01 session 8). The corpus
+every sample of every group has expected reward 0 and there is no gradient at all (LOG.md, 2026-12-01). The corpus
 is built from seeded TRAIN-pool questions (lemon.train.pipeline.training_examples, seed 0) and never executed, so nothing
 about the world's optimum (capacities, verifiers, duties) is taught: only the YAML format and a spread of team shapes.
 """

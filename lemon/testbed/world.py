@@ -22,10 +22,10 @@ from lemon.testbed.sim import (KIND_OF, MessageReader, Node, SimBackend, SimConf
 from lemon.train.rewards import RewardConfig, compute_reward
 
 # What a duty must name to pay (lemon.testbed.sim.duty_effect): the testbed's worlds use letter pairs, not real words, so
-# that the random tiny policies meet them at step 0 (measured on grammar-sampled duties of 16 characters: 're' in 19% / 15%,
-# 'in' in 28% / 16% of 148 / 309 duties of the SmolLM2-vocabulary / testbed-BPE random policies; 'solve', 'add', 'total',
-# 'check', 'verify' in 0-1%): a policy then has something to find, and m_R's delta has both signs. A language-model policy
-# would be given real words ('solve', 'check').
+# that the random tiny policies meet them at step 0 (LOG.md, 2026-12-07; grammar-sampled duties of 16 characters: 're' in
+# 19% / 15%, 'in' in 28% / 16% of 148 / 309 duties of the SmolLM2-vocabulary / testbed-BPE random policies; 'solve', 'add',
+# 'total', 'check', 'verify' in 0-1%): a policy then has something to find, and m_R's delta has both signs. A
+# language-model policy would be given real words ('solve', 'check').
 _WORDS = {"solve": ("re",), "check": ("in",)}
 _SOLVE_WORDS = {"solve": ("re",)}
 
@@ -41,8 +41,9 @@ TINY = SimConfig(types={"hard": TaskType({"small": 0.05, "medium": 0.2, "large":
                  duty_words=_WORDS, off_duty_penalty=0.1)
 
 
-# Worlds where a DIFFERENT spec field carries the reward (issue 30: does localized credit beat global credit when several
-# fields pay?). Replies cost the same at every capacity where capacity must not matter, so a capacity edit's contrast is 0.
+# Worlds where a DIFFERENT spec field carries the reward (the question: does localized credit beat global credit when
+# several fields pay?). Replies cost the same at every capacity where capacity must not matter, so a capacity edit's
+# contrast is 0.
 _EQ_TOKENS = {"small": 160, "medium": 160, "large": 160}
 # role / duty: capacity is irrelevant and checkers never fix anything; a solver is right 0.25 of the time with its default
 # duty, 0.85 with a duty naming 're' and 0.05 with any other duty; any other role answers nothing. The role and duty edits

@@ -193,8 +193,8 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
 
 def sample_dtype_for(cfg: TrainConfig) -> str:
     """How rollouts sample, resolved for the device the TRAINER samples on. The policy is still on the CPU when this is
-    decided; resolving against model.device picked a merged bf16 deep copy of the whole policy per step on a GPU host
-    with a native-bf16 CPU (issue 29, finding 6). On CUDA the bf16 policy samples as it is."""
+    decided, so resolving against model.device would pick a merged bf16 deep copy of the whole policy per step on a GPU
+    host with a native-bf16 CPU. On CUDA the bf16 policy samples as it is."""
     import torch
     return resolve_sample_dtype(cfg.sample_dtype, "cuda" if torch.cuda.is_available() else "cpu")
 

@@ -15,7 +15,7 @@ gets an invalid-rollout penalty), in two forms.
 Why "gated": with small workers most rollouts fail, and in the paper form a cheap failing spec out-scores an expensive failing
 one, so a group with no success pulls the policy toward the cheapest (usually the most hopeless) spec. Gating the cost terms by
 success keeps them as what they are meant to be, a tie-break among specs that work; a group with no success then has zero
-spread and gives no global gradient (lemon.train.grpo resamples or skips it). Both forms keep the order the issue asks for:
+spread and gives no global gradient (lemon.train.grpo resamples or skips it). Both forms keep the required order:
 a failing rollout never out-scores a succeeding one (checked in __post_init__: w_s - w_g > w_t covers the paper form's worst
 case, a free failing spec vs the most expensive success) and an invalid spec scores below every valid one.
 

@@ -7,7 +7,7 @@ Three steps, all here:
    decoding (`align`);
 2. give every token the characters of decode(ids) it holds, by incremental decoding, O(T) decode calls (`token_char_offsets`).
    A byte-level BPE (Qwen2.5, SmolLM2) splits a multi-byte character over several tokens; every token holding one of its bytes
-   covers that character, so a token holding only leading bytes is never left out of a span (issue 11, defect 6);
+   covers that character, so a token holding only leading bytes is never left out of a span;
 3. select the tokens whose characters overlap the span (`span_token_mask`).
 `span_positions` runs the three and returns a SpanMap whose `dropped` names why nothing could be mapped (logged as cf/dropped),
 so a lost counterfactual term is counted, never silent.
