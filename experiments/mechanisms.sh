@@ -10,8 +10,9 @@
 #   python -m lemon.testbed.study OUT          # report: per-arm tables, paired tests + TOST verdicts, curves
 #
 # Knobs (environment): SEEDS ("0 .. 9"), ARMS ("cf global global-2x"), STEPS (200), EVAL_EVERY (25), THRESHOLD (0.10),
-# WORLDS_A ("duty edge multi"), WORLDS_B ("tiny mixed multi-sampled"). A world name ending in -sampled runs that world
-# with sampled scoring (one simulated outcome per execution: the outcome noise CF is meant to beat).
+# WORLDS_A ("duty edge multi"), WORLDS_B ("tiny mixed multi-sampled"; "" = both chains run WORLDS_A, seeds split).
+# A world name ending in -sampled runs that world with sampled scoring (one simulated outcome per execution: the
+# outcome noise CF is meant to beat).
 # Two chains, one thread each (2 cores), seeds in the outer loop so every finished seed is a finished set of arms.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ STEPS=${STEPS:-200}
 EVAL_EVERY=${EVAL_EVERY:-25}
 THRESHOLD=${THRESHOLD:-0.10}
 WORLDS_A=${WORLDS_A:-"duty edge multi"}
-WORLDS_B=${WORLDS_B:-"tiny mixed multi-sampled"}
+WORLDS_B=${WORLDS_B-"tiny mixed multi-sampled"}
 COMMON=(--base random-tiny-bpe --profile smoke --steps "$STEPS" --train-questions 32 --heldout 16 --eval-every "$EVAL_EVERY"
         --threshold "$THRESHOLD" --set num_generations=4 batch_size=8 learning_rate=2e-2 resample=0 role_chars=12
         duty_chars=16 curriculum=false stratify=true)
@@ -38,10 +39,22 @@ chain() {
     done
   done
 }
-chain $WORLDS_A > "$OUT/chain-a.log" 2>&1 &
-a=$!
-chain $WORLDS_B > "$OUT/chain-b.log" 2>&1 &
-b=$!
+if [ -z "$WORLDS_B" ]; then
+  # One list of worlds (WORLDS_B=""): both chains run it, chain a the even-numbered and chain b the odd-numbered entries
+  # of SEEDS, so one world's study uses both cores (lemon.testbed.experiment locks experiment.json for the shared folder).
+  read -r -a S <<< "$SEEDS"
+  EVEN="" ODD=""
+  for i in "${!S[@]}"; do if (( i % 2 == 0 )); then EVEN+=" ${S[$i]}"; else ODD+=" ${S[$i]}"; fi; done
+  SEEDS=$EVEN chain $WORLDS_A > "$OUT/chain-a.log" 2>&1 &
+  a=$!
+  SEEDS=$ODD chain $WORLDS_A > "$OUT/chain-b.log" 2>&1 &
+  b=$!
+else
+  chain $WORLDS_A > "$OUT/chain-a.log" 2>&1 &
+  a=$!
+  chain $WORLDS_B > "$OUT/chain-b.log" 2>&1 &
+  b=$!
+fi
 echo "[mechanisms] chains $a (${WORLDS_A}) and $b (${WORLDS_B}); logs $OUT/chain-{a,b}.log"
 wait $a $b
 .venv/bin/python -m lemon.testbed.study "$OUT"

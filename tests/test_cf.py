@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 torch = pytest.importorskip("torch")
-from lemon.train.cf import cf_advantages, group_advantages, step_advantages  # noqa: E402
+from lemon.train.cf import cf_advantages, group_advantages, note_forced, rollout_advantages, step_advantages  # noqa: E402
 
 
 def _reference(rewards, groups, deltas, cmask, smask, lam, scale, floor):
@@ -56,6 +56,39 @@ def test_step_advantages_match_per_token_loop():
         ref = _reference(rewards, groups, deltas, cmask, smask, lam, scale, floor)
         assert torch.allclose(adv, ref, atol=1e-5), (rewards, groups, deltas, scale)
         assert keep.tolist() == [r is not None for r in rewards]
+
+
+def test_rollout_advantages_from_records_match_the_loop_with_forced_tokens_zeroed():
+    """The trainer's one call (records -> (B, T) advantages): S_i from span_positions, forced positions from the samples via
+    note_forced and zeroed, positions past T ignored; checked against the per-token loop, then masked by hand."""
+    from types import SimpleNamespace as NS
+    rng = random.Random(1)
+    for _ in range(100):
+        G, Q, T = rng.randint(2, 4), rng.randint(1, 3), rng.randint(2, 9)
+        B = G * Q
+        lens = [rng.randint(1, T) for _ in range(B)]
+        cmask = torch.tensor([[1] * n + [0] * (T - n) for n in lens])  # (B, T)
+        recs = [NS(total=None if rng.random() < 0.15 else round(rng.random(), 3), group=i // G,
+                   delta=rng.choice([None, 0.0, 1.0, -0.5]),
+                   span_positions=tuple(sorted(rng.sample(range(T + 2), rng.randint(0, 3)))), forced_positions=())
+                for i in range(B)]
+        samples = [NS(forced=[rng.random() < 0.4 for _ in range(n)]) for n in lens]
+        note_forced(recs, samples)
+        smask = torch.zeros(B, T, dtype=torch.int64)
+        for i, r in enumerate(recs):
+            for t in r.span_positions:
+                if t < T:
+                    smask[i, t] = 1
+        lam, scale = rng.choice([0.0, 1.0]), rng.choice(["batch", "group", "none"])
+        ref = _reference([r.total for r in recs], [r.group for r in recs], [r.delta or 0.0 for r in recs], cmask, smask,
+                         lam, scale, 0.1)
+        adv, keep, _ = rollout_advantages(recs, cmask, lam=lam, scale=scale, mask_forced=False)
+        assert torch.allclose(adv, ref, atol=1e-5)
+        masked, _, _ = rollout_advantages(recs, cmask, lam=lam, scale=scale, mask_forced=True)
+        for i, s in enumerate(samples):
+            for t in range(T):
+                want = 0.0 if t < len(s.forced) and s.forced[t] else float(ref[i, t])
+                assert abs(float(masked[i, t]) - want) < 1e-5
 
 
 def test_same_units_the_cf_term_is_scaled_like_the_global_term():
@@ -148,3 +181,27 @@ def test_cf_update_size_does_not_depend_on_the_other_question_in_the_batch():
     assert all(train_preset(p).scale_rewards == "none" for p in ("smoke", "cpu", "paper"))  # the trainer's default
     default, _, _ = step_advantages(a_rewards + hard, groups, a_deltas + [0.0] * 4, cmask, smask, lam=1.0)
     assert default[0, 1].item() == pytest.approx(adv(hard, "none")[0])
+
+
+def test_family_baselined_deltas_match_a_leave_one_out_loop():
+    """cf_baseline='family' (an extension beyond the paper): delta_i minus the mean delta of the step's OTHER scored
+    rollouts of the same family; errored rollouts carry none and serve as no baseline; 'none' is the raw delta."""
+    from types import SimpleNamespace as NS
+
+    from lemon.train.cf import baselined_deltas
+    rng = random.Random(2)
+    for _ in range(200):
+        recs = [NS(total=None if rng.random() < 0.15 else rng.random(), delta=rng.choice([None, 0.0, 0.4, -0.2, 1.0]),
+                   family=rng.choice([None, "edge", "role", "capacity"])) for _ in range(rng.randint(1, 9))]
+        got = baselined_deltas(recs, "family")
+        for i, r in enumerate(recs):
+            if r.total is None:
+                assert got[i] == 0.0
+                continue
+            d = r.delta or 0.0
+            mates = [m.delta for j, m in enumerate(recs) if j != i and m.total is not None and m.delta is not None
+                     and r.delta is not None and m.family and m.family == r.family]
+            assert abs(got[i] - (d - sum(mates) / len(mates) if mates else d)) < 1e-12
+        assert baselined_deltas(recs, "none") == [(r.delta or 0.0) if r.total is not None else 0.0 for r in recs]
+    with pytest.raises(ValueError, match="cf_baseline"):
+        baselined_deltas([], "mean")

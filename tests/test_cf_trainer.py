@@ -190,7 +190,7 @@ def test_completion_only_lm_head_is_scoped_and_cpu_only():
 
 def test_grammar_forced_tokens_carry_no_advantage(tmp_path):
     """Rollout 0's span has two positions the grammar forced (one allowed token): with the trainer's forced-token mask on,
-    the step's gradient is the reference over the span's OTHER positions only (lemon.train.grpo.forced_mask)."""
+    the step's gradient is the reference over the span's OTHER positions only (lemon.train.cf.forced_mask)."""
     tiny_model(tmp_path / "tiny")
     forced = (3, 4)
     trainer, rollouts, before, grads, _ = _train_one_step(tmp_path, 1.0, forced=forced)

@@ -42,12 +42,12 @@ def _sabotage(monkeypatch):
         return
     import lemon.train.grpo as G
     factor = {"zero": 0.0, "flip": -1.0}[how]
-    real = G.step_advantages
+    real = G.rollout_advantages  # the one call that turns the trainer's rollout records into (B, T) advantages
 
     def sabotaged(*a, **k):
         adv, keep, scale = real(*a, **k)
         return adv * factor, keep, scale
-    monkeypatch.setattr(G, "step_advantages", sabotaged)
+    monkeypatch.setattr(G, "rollout_advantages", sabotaged)
 
 
 @pytest.mark.timeout(600)

@@ -8,7 +8,7 @@ expected reward (lemon.testbed.world: no outcome noise). Its gradient in the LoR
 estimated with N samples per question (leave-one-out baseline b: unbiased) in two independent halves; the halves' cosine
 says how well the reference itself is known (the issue asks >= 0.9).
 
-The estimators, each computed from fresh draws exactly as the trainer weights tokens (lemon.train.cf.step_advantages with
+The estimators, each computed from fresh draws exactly as the trainer weights tokens (lemon.train.cf.rollout_advantages with
 scale 'none', the unmasked log-probs TRL uses, forced-token masking as TrainConfig.mask_forced_tokens):
   grpo@G    G specs per question, A_i = r_i - mean_group r on every completion token;
   cf@G      the same G specs plus one counterfactual edit each (the trainer's own edit sampler and span mapping):
@@ -33,7 +33,7 @@ from lemon.eval.orchestrator import orchestrator_messages
 from lemon.policy.rollout import GrammarConstraint, masked_logprobs, sample_specs
 from lemon.run.executor import NodeCache
 from lemon.testbed.exact import ExactScorer
-from lemon.train.cf import step_advantages
+from lemon.train.cf import note_forced, rollout_advantages
 from lemon.train.edits import FAMILIES, FamilySampler
 
 ESTIMATORS = ("grpo@G", "cf@G", "grpo@2G", "cf-term", "grpo@G masked", "cf@G masked")
@@ -186,18 +186,9 @@ class Measure:
         import torch
         T = max(len(s.token_ids) for s in samples)
         cmask = torch.tensor([[1] * len(s.token_ids) + [0] * (T - len(s.token_ids)) for s in samples])  # (B, T)
-        span = torch.zeros_like(cmask)  # (B, T)
-        for i, r in enumerate(recs):
-            span[i, [t for t in r.span_positions if t < T]] = 1
-        adv, _, _ = step_advantages([r.total for r in recs], [r.group for r in recs], [r.delta or 0.0 for r in recs],
-                                    cmask, span, lam=lam, scale="none")  # (B, T)
-        items = []
-        for i, s in enumerate(samples):
-            w = adv[i, :len(s.token_ids)].clone()  # (L,)
-            if self.cfg.mask_forced:
-                w[torch.tensor(s.forced, dtype=torch.bool)] = 0.0
-            items.append((recs[i].group, s, w, masked))
-        return items
+        note_forced(recs, samples)
+        adv, _, _ = rollout_advantages(recs, cmask, lam=lam, scale="none", mask_forced=self.cfg.mask_forced)  # (B, T)
+        return [(recs[i].group, s, adv[i, :len(s.token_ids)].clone(), masked) for i, s in enumerate(samples)]
 
 
 def corrected_cosine(est: np.ndarray, h1: np.ndarray, h2: np.ndarray) -> float:

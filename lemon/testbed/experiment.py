@@ -11,7 +11,9 @@ those samples live in lemon.testbed.stats, so the aggregation is testable on han
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +39,8 @@ from lemon.train.rewards import RewardConfig
 
 ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "global": {"cf_lambda": 0.0},
                             "global-2x": {"cf_lambda": 0.0},
+                            # cf with the contrast baselined per family (lemon.train.cf.baselined_deltas): an extension
+                            "cf-base": {"cf_lambda": 1.0, "cf_families": FAMILIES, "cf_baseline": "family"},
                             **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
 # global GRPO at EQUAL EXECUTIONS: cf runs G rollouts + G edits per question, so this arm samples 2G rollouts per question
 # (the same questions per step; group size and batch doubled after every override)
@@ -328,6 +332,15 @@ def write_experiment(root: Path, exp: ExperimentConfig, world: SimWorld, reward:
            "optimum": optimum_rows(world, reward, max_agents, caps), "reward": asdict(reward), "command": command}
     rec = json.loads(json.dumps(rec))  # tuples -> lists, as they read back
     path = Path(root) / "experiment.json"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    # Two chains may start runs in one folder at once (experiments/mechanisms.sh with one world splits its seeds over both
+    # cores): the read-merge-write holds an exclusive lock, and the write is atomic, so neither reads a half-written file.
+    with open(Path(root) / ".experiment.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _merge_experiment(path, rec, command)
+
+
+def _merge_experiment(path: Path, rec: dict, command: str) -> dict:
     if path.exists():
         old = json.loads(path.read_text())
         mine = {k: v for k, v in rec["config"].items() if k not in ("arms", "seeds")}
@@ -339,6 +352,7 @@ def write_experiment(root: Path, exp: ExperimentConfig, world: SimWorld, reward:
         rec["config"]["arms"] = old["config"]["arms"] + [a for a in rec["config"]["arms"] if a not in old["config"]["arms"]]
         rec["config"]["seeds"] = sorted(set(old["config"]["seeds"]) | set(rec["config"]["seeds"]))
         rec["commands"] = old.get("commands", [old["command"]]) + [command]
-    Path(root).mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=1))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, path)
     return rec

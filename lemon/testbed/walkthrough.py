@@ -2,8 +2,8 @@
 
 The trainer's own path (lemon.train.grpo) without TRL: specs sampled under the grammar (lemon.policy.rollout),
 scored and edited once each by the trainer's scorer with the world's EXACT expected reward (lemon.testbed.exact, built
-by lemon.testbed.credit.Measure), turned into (B, T) advantages by lemon.train.cf.step_advantages (scale "none") with
-forced tokens zeroed (lemon.train.grpo.forced_mask), then one AdamW step on the LoRA weights for
+by lemon.testbed.credit.Measure), turned into (B, T) advantages by the trainer's own call, lemon.train.cf.rollout_advantages
+(scale "none", forced tokens zeroed), then one AdamW step on the LoRA weights for
     loss = -(1/N) sum_i sum_t A_{i,t} log pi(y_{i,t}),    N = completion tokens of the batch (TRL's default "dapo"),
 which is TRL's clipped-ratio loss at its on-policy point (ratio 1, beta 0): the same value and gradient. Unlike a TRL
 run: a constant learning rate (TRL decays it linearly) and the questions taken in turn rather than shuffled.
@@ -26,9 +26,8 @@ from lemon.prompts import default_prompts
 from lemon.spec import parse_spec
 from lemon.testbed.credit import CreditConfig, Measure
 from lemon.testbed.experiment import ExperimentConfig, make_world, optimum_rows, run_caps, split_examples, train_config
-from lemon.train.cf import step_advantages
+from lemon.train.cf import forced_mask, note_forced, rollout_advantages, span_mask
 from lemon.train.edits import REGISTRY, sample_edit
-from lemon.train.grpo import forced_mask
 from lemon.train.scoring import edit_seed
 
 # the testbed's pilot shape (experiments/grad_cosine.py): 12-character roles, 16-character duties, ~100-token specs
@@ -117,8 +116,7 @@ def score(bench: Bench, batch: Batch) -> pd.DataFrame:
     m = bench.measure
     batch.recs = bench.scorer.score([(m.examples[batch.questions[s.prompt_index]].id, s.text, s.token_ids,
                                       s.prompt_index, 0) for s in batch.samples], batch.step)
-    for r, s in zip(batch.recs, batch.samples):  # what the trainer's rollout function records for forced_mask
-        r.forced_positions = tuple(t for t, f in enumerate(s.forced) if f)
+    note_forced(batch.recs, batch.samples)  # as the trainer's rollout function does
     batch.edits = [None] * len(batch.recs)
     return pd.DataFrame([{"question": batch.questions[r.group], "valid": r.valid,
                           "success": r.reward.success, "token_eff": r.reward.token_efficiency,
@@ -176,19 +174,14 @@ def tokens_html(bench: Bench, batch: Batch, i: int) -> str:
 
 
 def advantages(batch: Batch, cf_lambda: float) -> dict[str, torch.Tensor]:
-    """The trainer's (B, T) advantages (step_advantages, scale "none", forced tokens zeroed), its global part (the same
+    """The trainer's (B, T) advantages (rollout_advantages, scale "none", forced tokens zeroed), its global part (the same
     call with lambda 0) and CF part (the rest), and the masks they were built from."""
     recs, T = batch.recs, max(s.n_tokens for s in batch.samples)
     cmask = torch.tensor([[1] * s.n_tokens + [0] * (T - s.n_tokens) for s in batch.samples])  # (B, T)
-    span = torch.zeros_like(cmask)  # (B, T)
-    for i, r in enumerate(recs):
-        span[i, list(r.span_positions)] = 1
-    forced = forced_mask(recs, cmask)  # (B, T)
     out = {}
     for name, lam in (("total", cf_lambda), ("global", 0.0)):
-        adv, keep, _ = step_advantages([r.total for r in recs], [r.group for r in recs], [r.delta or 0.0 for r in recs],
-                                       cmask, span, lam=lam, scale="none")
-        out[name] = adv * (1 - forced).to(adv.dtype)  # (B, T)
+        out[name], keep, _ = rollout_advantages(recs, cmask, lam=lam, scale="none", mask_forced=True)  # (B, T)
+    span, forced = span_mask(recs, cmask), forced_mask(recs, cmask)  # (B, T)
     return {**out, "cf": out["total"] - out["global"], "completion": cmask * keep[:, None].to(cmask.dtype),
             "span": span, "forced": forced}
 

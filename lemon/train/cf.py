@@ -101,3 +101,77 @@ def step_advantages(rewards, groups, deltas, completion_mask: torch.Tensor, span
     adv = cf_advantages(centred, completion_mask, span_mask.to(dev), delta, lam, scale=s)  # (B, T) on the mask's device
     adv = adv * keep[:, None].to(adv.dtype)
     return adv, keep, s_mean
+
+
+def note_forced(recs, samples) -> None:
+    """Copy each sample's grammar-forced positions (Sample.forced: one allowed token) onto its rollout record, where
+    forced_mask reads them. Every producer of rollout records (the trainer's rollout function, the testbed's credit
+    measurement and walk-through) calls this, so the three see one definition of "forced"."""
+    for r, s in zip(recs, samples, strict=True):
+        r.forced_positions = tuple(t for t, f in enumerate(getattr(s, "forced", ())) if f)
+
+
+def forced_mask(recs, cmask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1 where the grammar allowed exactly one token (Rollout.forced_positions), on cmask's device.
+
+    Why those tokens get no advantage: rollouts are sampled from the policy renormalised over the allowed tokens, whose
+    log-prob of a forced token is 0 whatever the weights, so the exact policy gradient has no term there. The trainer's
+    log-probs are the unmasked policy's, under which a forced token's gradient would push mass onto keys, quotes and ids
+    (~25 per agent) in proportion to the rollout's advantage: noise common to the CF and the global arm."""
+    return _positions_mask(recs, cmask, "forced_positions")
+
+
+def span_mask(recs, cmask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1 on each rollout's edited-span tokens S_i (Rollout.span_positions; all-zero rows where there is no edit)."""
+    return _positions_mask(recs, cmask, "span_positions")
+
+
+def _positions_mask(recs, cmask: torch.Tensor, attr: str) -> torch.Tensor:
+    m = torch.zeros_like(cmask)  # (B, T)
+    for i, r in enumerate(recs):
+        pos = [t for t in getattr(r, attr) if t < m.shape[1]]
+        if pos:
+            m[i, pos] = 1
+    return m
+
+
+CF_BASELINES = ("none", "family")
+
+
+def baselined_deltas(recs, how: str = "none") -> list[float]:
+    """Each rollout's CF contrast, minus a baseline when `how` = "family" (an extension beyond the paper).
+
+    "none" (the paper): delta_i = r(y_i) - r(y_i') as is. The paper's edits only take away, so most contrasts are > 0
+    and the CF term raises almost every edited value it sees, whether or not the spec was good: REINFORCE without a
+    baseline, which commits early to whatever is sampled often (Chung et al. 2021, "Beyond variance reduction").
+    "family": delta_i minus the mean contrast of the step's OTHER scored rollouts edited by the same family (leave one
+    out: the baseline does not depend on y_i); a rollout whose family no other rollout of the step drew keeps its raw
+    contrast. This is not a neutral variance reduction: a site is only editable for some values (a capacity above small,
+    a customised duty), so subtracting b there moves mass toward the uneditable values by b; it removes the push an
+    editable value gets just for being editable, and keeps the push of a value whose edit hurts MORE than usual."""
+    if how not in CF_BASELINES:
+        raise ValueError(f"cf_baseline={how!r}; valid: {', '.join(CF_BASELINES)}")
+    raw = [float(r.delta or 0.0) if r.total is not None else 0.0 for r in recs]
+    if how == "none":
+        return raw
+    fam = [r.family if (r.total is not None and r.delta is not None and r.family) else None for r in recs]
+    out = []
+    for i, d in enumerate(raw):
+        mates = [raw[j] for j in range(len(recs)) if j != i and fam[i] is not None and fam[j] == fam[i]]
+        out.append(d - sum(mates) / len(mates) if mates else d)
+    return out
+
+
+def rollout_advantages(recs, completion_mask: torch.Tensor, *, lam: float, scale: str = "none", std_floor: float = 0.1,
+                       mask_forced: bool = True, cf_baseline: str = "none") -> tuple[torch.Tensor, torch.Tensor, float]:
+    """THE per-token advantages of one step, from its rollout records (Rollout: total, group, delta, span_positions,
+    forced_positions): step_advantages over the records' rewards, groups and CF deltas with S_i from span_positions, then
+    forced tokens zeroed when mask_forced (TrainConfig.mask_forced_tokens), contrasts baselined per cf_baseline
+    (TrainConfig.cf_baseline; "none" = the paper). The trainer (lemon.train.grpo), the credit
+    measurement and the walk-throughs all call this one function. Returns (advantages (B, T), keep (B,), batch scale)."""
+    adv, keep, s = step_advantages([r.total for r in recs], [r.group for r in recs], baselined_deltas(recs, cf_baseline),
+                                   completion_mask, span_mask(recs, completion_mask), lam=lam, scale=scale,
+                                   std_floor=std_floor)  # (B, T)
+    if mask_forced:
+        adv = adv * (1 - forced_mask(recs, completion_mask)).to(adv.dtype)  # (B, T)
+    return adv, keep, s

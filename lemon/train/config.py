@@ -191,6 +191,9 @@ class TrainConfig:
     """Weight of the counterfactual contrast on the edited span; 0 = plain GRPO ("global RL only")."""
     cf_families: tuple[str, ...] = FAMILIES
     """Edit families allowed (an ablation may keep one)."""
+    cf_baseline: str = "none"
+    """CF contrast baseline (lemon.train.cf.baselined_deltas): 'none' = the paper's raw delta; 'family' = minus the
+    step's leave-one-out mean delta of the same edit family (an extension: the paper's one-sided edits make most deltas > 0)."""
     family_floor: float = 0.1
     """Probability floor of each family in the adaptive sampler."""
     scale_rewards: str = "none"
@@ -202,7 +205,7 @@ class TrainConfig:
     curriculum: bool = True
     """Prefer training questions whose groups had reward spread (labels from training executions)."""
     mask_forced_tokens: bool = True
-    """Tokens the grammar forced (one allowed choice) get advantage 0 in both terms (lemon.train.grpo.forced_mask says
+    """Tokens the grammar forced (one allowed choice) get advantage 0 in both terms (lemon.train.cf.forced_mask says
     why); False = the whole completion carries the rollout's advantage, as before."""
     stratify: bool = False
     """Every step's questions go round-robin over the training benchmarks (the testbed's task types), so a step of Q >=
@@ -255,6 +258,8 @@ class TrainConfig:
                              "per step (batch_size / num_generations)")
         if self.max_steps < 1 or self.save_steps < 1 or self.resample < 0 or self.rollout_concurrency < 1:
             raise ValueError("max_steps, save_steps and rollout_concurrency must be >= 1 and resample >= 0")
+        if self.cf_baseline not in ("none", "family"):
+            raise ValueError(f"cf_baseline={self.cf_baseline!r} must be 'none' (the paper) or 'family' (lemon.train.cf)")
         if self.scale_rewards not in ("batch", "group", "none") or self.std_floor <= 0:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} must be batch|group|none and std_floor > 0")
         if self.sample_dtype not in (*SAMPLING_DTYPES, "auto") or self.train_dtype not in TRAIN_DTYPES:

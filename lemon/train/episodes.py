@@ -22,6 +22,7 @@ from pathlib import Path
 
 from torch.utils.data import Sampler
 
+from lemon.train.cf import note_forced
 from lemon.train.edits import FamilySampler
 from lemon.policy.dtype import SamplingCopy, merged_copy
 from lemon.policy.rollout import GrammarConstraint, sample_specs
@@ -113,7 +114,7 @@ class SpecRollouts:
                  scale_rewards: str = "none", std_floor: float = 0.1, rollouts_path: Path | None = None,
                  labels: QuestionLabels | None = None, sample_dtype: str = "model",
                  curriculum_ids: list[str] | None = None, strata: list[str] | None = None, weighted: bool = True,
-                 mask_forced: bool = False):
+                 mask_forced: bool = False, cf_baseline: str = "none"):
         self.scorer, self.tok, self.by_prompt = scorer, tokenizer, examples_by_prompt
         self.g, self.temperature, self.max_new_tokens = num_generations, temperature, max_new_tokens
         self.grammars, self.grammar_cache = grammars, grammar_cache  # example id -> SpecGrammar; None = unconstrained
@@ -121,7 +122,8 @@ class SpecRollouts:
         self.rollouts_path, self.labels, self.sample_dtype = rollouts_path, labels or QuestionLabels(), sample_dtype
         self.curriculum_ids = curriculum_ids  # the dataset's example ids in row order; None = TRL's own shuffled sampler
         self.strata, self.weighted = strata, weighted  # CurriculumSampler's stratification and weighting
-        self.mask_forced = mask_forced  # grammar-forced tokens get advantage 0 (lemon.train.grpo)
+        self.mask_forced = mask_forced  # grammar-forced tokens get advantage 0 (lemon.train.cf.rollout_advantages)
+        self.cf_baseline = cf_baseline  # lemon.train.cf.baselined_deltas
         self.batch: list[Rollout] = []
         self.last_stats: dict = {}
         self._shadow = None  # SamplingCopy, made at the first rollout when sample_dtype == 'bf16_copy'
@@ -217,8 +219,8 @@ class SpecRollouts:
         scored = self.scorer.score(items, step)
         stats["score_s"] += time.perf_counter() - t0
         out: list[list[Rollout]] = [[] for _ in prompts]
+        note_forced(scored, samples)  # what lemon.train.cf.forced_mask reads
         for s, r in zip(samples, scored):
-            r.forced_positions = tuple(t for t, f in enumerate(getattr(s, "forced", ())) if f)
             out[s.prompt_index].append(r)
         if any(len(g) != self.g for g in out):
             raise RuntimeError(f"sample_specs returned {[len(g) for g in out]} samples per prompt, expected {self.g}")

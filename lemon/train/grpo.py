@@ -10,8 +10,8 @@ One step, in the order it runs:
    rollout to rollouts.jsonl.
 3. TRL calls our reward functions (they read the scored records by `rollout_index`; an errored execution returns None, which
    TRL treats as unscorable), then `_generate_and_score_completions` below REPLACES TRL's advantages with ours
-   (lemon.train.cf.step_advantages: one scale for the global and the counterfactual term; errored rollouts masked out of the
-   loss) and TRL's loss does the rest.
+   (lemon.train.cf.rollout_advantages: one scale for the global and the counterfactual term, forced tokens zeroed;
+   errored rollouts masked out of the loss) and TRL's loss does the rest.
 The counterfactual term lives in (B, T) advantages rather than in a loss override. TRL's loss takes them as they are;
 Unsloth's loss (it replaces compute_loss on CUDA) scores its own token window, so lemon.train.unsloth_compat re-lays them
 out for it and refuses the one split (micro-batches under cf_lambda > 0) where that window cannot be known in advance.
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from lemon.train.cf import step_advantages
+from lemon.train.cf import forced_mask, rollout_advantages  # noqa: F401  (forced_mask: old import path)
 from lemon.train.edits import FAMILIES
 from lemon.train.episodes import CurriculumSampler
 from lemon.train.unsloth_compat import is_unsloth_trainer, unsloth_advantages
@@ -96,21 +96,6 @@ def completion_only_lm_head():
         U._use_triton = real
 
 
-def forced_mask(recs, cmask: torch.Tensor) -> torch.Tensor:
-    """(B, T) 1 where the grammar allowed exactly one token (Rollout.forced_positions), on cmask's device.
-
-    Why those tokens get no advantage: rollouts are sampled from the policy renormalised over the allowed tokens, whose
-    log-prob of a forced token is 0 whatever the weights, so the exact policy gradient has no term there. The trainer's
-    log-probs are the unmasked policy's, under which a forced token's gradient would push mass onto keys, quotes and ids
-    (~25 per agent) in proportion to the rollout's advantage: noise common to the CF and the global arm."""
-    m = torch.zeros_like(cmask)  # (B, T)
-    for i, r in enumerate(recs):
-        pos = [t for t in r.forced_positions if t < m.shape[1]]
-        if pos:
-            m[i, pos] = 1
-    return m
-
-
 class CFGRPOMixin:
     """Overrides of TRL's GRPOTrainer (mixed into whichever GRPOTrainer class trl exports: TRL's own or Unsloth's)."""
 
@@ -134,14 +119,10 @@ class CFGRPOMixin:
         if len(recs) != cmask.shape[0]:
             raise RuntimeError(f"rollouts hold {len(recs)} records for a batch of {cmask.shape[0]}; CF-GRPO supports one "
                                "process (no multi-GPU data parallelism)")
-        span = torch.zeros_like(cmask)  # (B, T)
-        for i, r in enumerate(recs):
-            span[i, [t for t in r.span_positions if t < span.shape[1]]] = 1
-        adv, keep, scale = step_advantages([r.total for r in recs], [r.group for r in recs],
-                                           [r.delta or 0.0 for r in recs], cmask, span, lam=self.rollouts.cf_lambda,
-                                           scale=self.rollouts.scale_rewards, std_floor=self.rollouts.std_floor)
-        if getattr(self.rollouts, "mask_forced", False):
-            adv = adv * (1 - forced_mask(recs, cmask)).to(adv.dtype)  # (B, T)
+        adv, keep, scale = rollout_advantages(recs, cmask, lam=self.rollouts.cf_lambda, scale=self.rollouts.scale_rewards,
+                                              std_floor=self.rollouts.std_floor,
+                                              mask_forced=getattr(self.rollouts, "mask_forced", False),
+                                              cf_baseline=getattr(self.rollouts, "cf_baseline", "none"))  # (B, T)
         out["advantages"] = adv.to(out["advantages"].dtype)  # (B, T)
         out["completion_mask"] = cmask * keep[:, None].to(cmask.dtype)  # errored rollouts leave the loss entirely
         out["num_items_in_batch"] = out["completion_mask"].sum()

@@ -25,7 +25,8 @@ from lemon.train.sft import SFTConfig, build_corpus, run_sft, valid_rate
 
 
 def training_examples(cfg: TrainConfig) -> list:
-    """A seeded sample of `train_questions` examples from the train pools of `cfg.benchmarks`, round-robin over benchmarks."""
+    """A seeded sample of `train_questions` examples from the train pools of `cfg.benchmarks`, round-robin over
+    benchmarks."""
     pools = {b: B.pool(b, "train") for b in cfg.benchmarks}
     rng = random.Random(cfg.seed)
     for p in pools.values():
@@ -47,8 +48,9 @@ def build_pool(cfg: TrainConfig):
     if cfg.deterministic_workers:
         other = sorted(c for c, e in workers.items() if e.get("backend") not in SERVER_BACKENDS)
         if other:
-            raise ValueError(f"deterministic_workers=True applies to llama-server workers, but {other} use other backends "
-                             "(for vLLM, batch-invariant decoding is the server's own setting): turn it off or change them")
+            raise ValueError(f"deterministic_workers=True applies to llama-server workers, but {other} use "
+                             "other backends (for vLLM, batch-invariant decoding is the server's own setting): turn it "
+                             "off or change them")
         workers = {c: {**e, "deterministic": True} for c, e in workers.items()}
     return WorkerPool.from_config({**workers, "max_tokens": dict(cfg.worker_max_tokens)})
 
@@ -79,7 +81,8 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
         return json.loads((out / "sft.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     n_sft = sft.questions or cfg.train_questions
-    # the valid-rate probe uses further TRAIN-pool questions that are not in the corpus (training_examples is prefix-stable)
+    # the valid-rate probe uses further TRAIN-pool questions that are not in the corpus (training_examples is
+    # prefix-stable)
     drawn = training_examples(replace(cfg, train_questions=n_sft + sft.probe_questions))
     examples, probe = drawn[:n_sft], drawn[n_sft:]
     benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
@@ -94,7 +97,8 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
             stats = json.loads((out / "corpus_stats.json").read_text())
         else:
             rows, stats = build_corpus(examples, benches, prompts, sft, pool=pool,
-                                       caps=ExecutorCaps(max_agents=sft.max_agents, max_tokens=dict(cfg.worker_max_tokens)),
+                                       caps=ExecutorCaps(max_agents=sft.max_agents,
+                                                         max_tokens=dict(cfg.worker_max_tokens)),
                                        cache=NodeCache(path=out / "node_cache.jsonl"), progress=progress)
     finally:
         if own_pool:
@@ -118,10 +122,11 @@ def warm_start(cfg: TrainConfig, sft: SFTConfig, out: Path, prompts: Prompts, *,
 def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adapter: str | Path | None = None,
           examples: list | None = None, progress: bool = True, scorer_factory=None) -> dict:
     """Train (or resume) into `out`: checkpoints under out/grpo, the final adapter in out/adapter, per-step metrics in
-    out/metrics.jsonl, every rollout in out/rollouts.jsonl, manifest.json. `init_adapter` (e.g. the SFT warm start) is where
-    the LoRA starts; `examples` replaces the seeded train-pool sample (e.g. the testbed's questions; they must still come
-    from train pools). `scorer_factory` replaces lemon.train.scoring.SpecScorer (same arguments; e.g. the testbed's exact
-    scorer, lemon.testbed.exact). Returns {"steps", "adapter", "history"}; a run finished with this very config is returned as is."""
+    out/metrics.jsonl, every rollout in out/rollouts.jsonl, manifest.json. `init_adapter` (e.g. the SFT warm start) is
+    where the LoRA starts; `examples` replaces the seeded train-pool sample (e.g. the testbed's questions; they must
+    still come from train pools). `scorer_factory` replaces lemon.train.scoring.SpecScorer (same arguments; e.g. the
+    testbed's exact scorer, lemon.testbed.exact). Returns {"steps", "adapter", "history"}; a run finished with this very
+    config is returned as is."""
     out = Path(out)
     if (out / "train.json").exists() and (out / "adapter").exists():
         done = json.loads((out / "train.json").read_text())
@@ -140,7 +145,6 @@ def train(cfg: TrainConfig, out: Path, prompts: Prompts, *, pool=None, init_adap
 
 def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, examples, progress: bool,
            scorer_factory=None) -> dict:
-    import torch
     from datasets import Dataset
     from lemon.train.episodes import SpecRollouts, prompt_key  # lazy: torch
     from lemon.train.grpo import reward_functions, trainer_class  # lazy: torch, transformers, peft
@@ -152,15 +156,16 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
     backend = resolve_backend(cfg.policy)
     if backend == "unsloth" and cfg.cf_lambda > 0 and (cfg.micro_batch or cfg.batch_size) < cfg.batch_size:
         # refused here, before minutes of loading, rather than at the first step (lemon.train.unsloth_compat says why)
-        raise ValueError(f"the unsloth backend with cf_lambda > 0 needs micro_batch = batch_size ({cfg.batch_size}), got "
-                         f"micro_batch={cfg.micro_batch}: Unsloth's loss window per micro-batch is unknown when the "
-                         "advantages are made. Use micro_batch=0, cf_lambda=0, or policy backend 'transformers'.")
+        raise ValueError("the unsloth backend with cf_lambda > 0 needs micro_batch = batch_size "
+                         f"({cfg.batch_size}), got micro_batch={cfg.micro_batch}: Unsloth's loss window per "
+                         "micro-batch is unknown when the advantages are made. Use micro_batch=0, cf_lambda=0, or "
+                         "policy backend 'transformers'.")
     if not (out / "manifest.json").exists():
-        write_json(out / "manifest.json", build_manifest(cfg.to_dict(), prompts_sha256=prompts.sha256, workers=pool.describe(),
-                                                         seeds={"train": cfg.seed},
-                                                         extra={"train_ids": [e.id for e in examples],
-                                                                "policy_backend": backend,
-                                                                "scorer": getattr(scorer_factory, "name", "SpecScorer")}))
+        write_json(out / "manifest.json",
+                   build_manifest(cfg.to_dict(), prompts_sha256=prompts.sha256, workers=pool.describe(),
+                                  seeds={"train": cfg.seed},
+                                  extra={"train_ids": [e.id for e in examples], "policy_backend": backend,
+                                         "scorer": getattr(scorer_factory, "name", "SpecScorer")}))
     model, tok = load_policy(cfg.policy, adapter=init_adapter, seed=cfg.seed)
     caps = ExecutorCaps(max_agents=cfg.max_agents, max_tokens=dict(cfg.worker_max_tokens),
                         task_token_budget=cfg.task_token_budget)
@@ -182,7 +187,7 @@ def _train(cfg: TrainConfig, out: Path, prompts: Prompts, pool, init_adapter, ex
                             sample_dtype=sample_dtype_for(cfg),
                             curriculum_ids=[r["example_id"] for r in rows] if cfg.curriculum or cfg.stratify else None,
                             strata=[e.benchmark for e in examples] if cfg.stratify else None, weighted=cfg.curriculum,
-                            mask_forced=cfg.mask_forced_tokens and cfg.constrained)
+                            mask_forced=cfg.mask_forced_tokens and cfg.constrained, cf_baseline=cfg.cf_baseline)
     funcs, weights = reward_functions(rollouts)
     Trainer = trainer_class(backend)
     args = grpo_args(cfg, out, weights, progress, backend)
@@ -212,10 +217,11 @@ def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str
     return GRPOConfig(
         output_dir=str(out / "grpo"), max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
         per_device_train_batch_size=mb, gradient_accumulation_steps=cfg.batch_size // mb,
-        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
-        beta=cfg.beta, reward_weights=weights, logging_steps=1, save_strategy="steps", save_steps=cfg.save_steps,
-        report_to="none", seed=cfg.seed, use_cpu=not cuda,
-        bf16=bf16,  # on CPU: fp32 weights, bf16 autocast for the loss forward/backward (2.4x faster on this CPU, LOG.md 2026-12-01)
+        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature, beta=cfg.beta, reward_weights=weights, logging_steps=1, save_strategy="steps",
+        save_steps=cfg.save_steps, report_to="none", seed=cfg.seed, use_cpu=not cuda,
+        # on CPU: fp32 weights, bf16 autocast for the loss forward/backward (2.4x faster on this CPU, LOG.md 2026-12-01)
+        bf16=bf16,
         gradient_checkpointing=cfg.gradient_checkpointing,
         disable_tqdm=not progress or text_mode(),  # headless: the callback's step lines
         log_completions=False)
@@ -223,7 +229,8 @@ def grpo_args(cfg: TrainConfig, out: Path, weights, progress: bool, backend: str
 
 def _fit(trainer, rollouts, cfg: TrainConfig, out: Path, tok, init_adapter, bf16: bool, progress: bool) -> dict:
     """Train (resuming from the latest checkpoint), save the adapter and train.json."""
-    from lemon.train.grpo import CFStateCallback, completion_only_lm_head, load_cf_state  # lazy: torch, transformers, peft
+    from lemon.train.grpo import (CFStateCallback, completion_only_lm_head,  # lazy: torch, transformers, peft
+                                  load_cf_state)
     trainer.add_callback(CFStateCallback(rollouts, out / "metrics.jsonl", verbose=progress))
     if text_mode():  # headless: the callback's one line per step replaces the Trainer's dump of every logged key
         from transformers.trainer_callback import PrinterCallback
@@ -241,7 +248,8 @@ def _fit(trainer, rollouts, cfg: TrainConfig, out: Path, tok, init_adapter, bf16
     tok.save_pretrained(out / "adapter")
     (out / "cf_sampler.json").write_text(json.dumps(rollouts.state_dict()))
     rec = {"steps": trainer.state.global_step, "adapter": str(out / "adapter"), "history": trainer.state.log_history,
-           "config": asdict(cfg), "init_adapter": str(init_adapter) if init_adapter else None, "train_bf16_autocast": bf16}
+           "config": asdict(cfg), "init_adapter": str(init_adapter) if init_adapter else None,
+           "train_bf16_autocast": bf16}
     write_json(out / "train.json", rec)
     return rec
 
