@@ -25,7 +25,7 @@ HARD = next(e for e in WORLD.examples() if e.benchmark == "gsm8k")
 EASY = next(e for e in WORLD.examples() if e.benchmark == "multiarith")
 
 
-# ---- exact tests vs slow, obvious references ---------------------------------------------------------------------------
+# ---- exact tests vs slow, obvious references -------------------------------------------------------------------------
 def _sign_brute(d):
     d = [x for x in d if x != 0]
     n, k = len(d), sum(x > 0 for x in d)
@@ -45,7 +45,8 @@ def _wilcoxon_brute(d):
 
 
 @pytest.mark.parametrize("d", [[1, 2, 3, 4, 5], [-1, 2, 3, 4, -5, 6, 7, 8], [0.1, -0.1, 0.2, 0.2, -0.3, 0.0, 0.4],
-                               [-0.05] * 6 + [0.01], [3.0], [0.0, 0.0], list(np.random.default_rng(0).normal(0.1, 1, 11))])
+                               [-0.05] * 6 + [0.01], [3.0], [0.0, 0.0],
+                               list(np.random.default_rng(0).normal(0.1, 1, 11))])
 def test_sign_and_wilcoxon_match_brute_force(d):
     assert sign_test(d) == pytest.approx(_sign_brute(d))
     if any(x != 0 for x in d):
@@ -58,7 +59,8 @@ def test_sign_and_wilcoxon_match_brute_force(d):
 
 def test_known_values_and_holm():
     assert sign_test([-1] * 9 + [1]) == pytest.approx(22 / 1024)  # 1 of 10: 2 * (1 + 10) / 2^10
-    assert wilcoxon_signed_rank([1, 2, 3, 4, 5]) == (15.0, pytest.approx(2 / 32))  # all positive: only 2 of 32 as extreme
+    # all positive: only 2 of 32 as extreme
+    assert wilcoxon_signed_rank([1, 2, 3, 4, 5]) == (15.0, pytest.approx(2 / 32))
     assert holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])  # 4p, 3p, then monotone max(2p, .)
     assert holm([0.5, 0.4]) == pytest.approx([0.8, 0.8])
     e = paired_effect([-0.2, -0.1, 0.0, 0.1])
@@ -67,12 +69,13 @@ def test_known_values_and_holm():
     assert paired_effect([0.3, 0.1], lower_is_better=False)["arm_better"] == 2
 
 
-# ---- the study on hand-written folders ---------------------------------------------------------------------------------
+# ---- the study on hand-written folders -------------------------------------------------------------------------------
 def _run(root, arm, seed, rollouts, heldout):
     d = root / arm / f"seed-{seed}"
     d.mkdir(parents=True)
     write_run_info(d, arm, seed, R, 4, ExecutorCaps(max_agents=4))
-    rows = lambda items: "".join(json.dumps({"step": s, "example_id": ex.id, "text": t}) + "\n" for s, ex, t in items)  # noqa: E731
+    rows = lambda items: "".join(json.dumps({"step": s, "example_id": ex.id, "text": t}) + "\n"  # noqa: E731
+                                 for s, ex, t in items)
     files = {"rollouts.jsonl": rows(rollouts), "heldout.jsonl": rows(heldout),
              "train.json": json.dumps({"steps": 4, "history": [{"step_time": 2.5}] * 4})}
     for name, text in files.items():  # seed 3 as outputs/reference/ keeps records: gzipped, read the same
@@ -88,8 +91,8 @@ def test_study_tables_tests_and_plot(tmp_path):
     opt = {e.id: WORLD.optimum(e, R, 4).spec.text for e in (HARD, EASY)}
     weak = spec_from_dict({"agents": [{"id": "a1", "base_role": "solver", "role": "Solver", "duty": "Do it carefully.",
                                        "capacity": "small", "depends_on": []}], "final": "a1"}).to_yaml()
-    exp = ExperimentConfig(world="two", arms=("cf", "global"), seeds=(0, 1, 2, 3), max_steps=4, threshold=0.01, smooth=1,
-                           final_window=2)
+    exp = ExperimentConfig(world="two", arms=("cf", "global"), seeds=(0, 1, 2, 3), max_steps=4, threshold=0.01,
+                           smooth=1, final_window=2)
     root = tmp_path / "runs" / "two"
     for seed in exp.seeds:
         _run(root, "cf", seed, [(s, ex, opt[ex.id] if s >= 3 else weak) for s in range(1, 5) for ex in (HARD, EASY)],
@@ -130,7 +133,7 @@ def test_study_tables_tests_and_plot(tmp_path):
     assert S.main([str(tmp_path / "empty")]) == 2  # a folder without experiments: a named error, exit 2
 
 
-# ---- the random-tiny base ------------------------------------------------------------------------------------------------
+# ---- the random-tiny base --------------------------------------------------------------------------------------------
 def test_random_tiny_base_config(monkeypatch):
     with pytest.raises(ValueError, match="base="):
         ExperimentConfig(base="nope")
@@ -179,3 +182,25 @@ def test_global_at_equal_executions_doubles_the_group():
     # the same questions per step, twice the rollouts: G rollouts + G edits of cf = 2G executions
     assert (g2.num_generations, g2.batch_size, g2.cf_lambda) == (8, 16, 0.0)
     assert g2.batch_size // g2.num_generations == cf.batch_size // cf.num_generations
+
+
+def _write_seeds(root, seeds):
+    for s in seeds:
+        exp = ExperimentConfig(world="two", profile="smoke", arms=("cf",), seeds=(s,), max_steps=2)
+        write_experiment(root, exp, WORLD, R, 4, ExecutorCaps(max_agents=4), f"seed {s}")
+
+
+def test_two_processes_merging_one_experiment_folder_lose_no_seed(tmp_path):
+    """experiments/mechanisms.sh can run two chains in one world folder: experiment.json's read-merge-write is locked and
+    atomic, so every seed and command either process recorded survives (an unlocked merge loses updates)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_write_seeds, args=(tmp_path, range(k, 40, 2))) for k in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    rec = json.loads((tmp_path / "experiment.json").read_text())
+    assert rec["config"]["seeds"] == list(range(40)) and len(rec["commands"]) == 40
+    assert not list(tmp_path.glob("*.tmp"))
