@@ -1,14 +1,15 @@
 """Executor figures (issue 3 §5), printed, not asserted. Real shipped models through llama.cpp; numbers are noisy on a
 shared 2-core machine, so each figure says what it measured.
 
-  .venv/bin/python bench/executor_bench.py [--questions 4] [--edits 100] [--max-tokens 48] [--only overhead,concurrency,cache]
+  .venv/bin/python bench/executor_bench.py [--questions 4] [--edits 100] [--max-tokens 48] \
+      [--only overhead,concurrency,cache]
 
 1. overhead: wall time of execute() minus the summed backend latency, for baseline specs run on ONE managed 135M
    llama-server with one slot (agents queue for it, so wall = backend time + executor overhead).
-2. concurrency: questions/minute for a 4-agent Tree spec (leaves on two different models can overlap) and a 4-agent Complete
-   spec (a total order: nothing can overlap) on managed llama-servers (135M and 0.5B), with 4 slots per server (a level's
-   agents decode together) vs 1 slot (one at a time per server). The in-process designs this section compared before
-   issue 12 are gone with the in-process backend (LOG.md, session 2, has their figures).
+2. concurrency: questions/minute for a 4-agent Tree spec (leaves on two different models can overlap) and a 4-agent
+   Complete spec (a total order: nothing can overlap) on managed llama-servers (135M and 0.5B), with 4 slots per server
+   (a level's agents decode together) vs 1 slot (one at a time per server). The in-process designs this section compared
+   before issue 12 are gone with the in-process backend (LOG.md, session 2, has their figures).
 3. node cache: worker tokens to re-run random single-field edits of executed specs, with the cache vs without it (the
    cacheless cost is the edited spec's nominal tokens: every agent re-run).
 """
@@ -93,9 +94,9 @@ def main():
         spent += tr.tokens
         nominal += tr.nominal_tokens
         n += 1
-    print(f"[cache] {n} random single-field edits of {len(specs)} mutated-baseline specs (135M, max_tokens {a.max_tokens}): "
-          f"worker tokens with cache {spent}, without {nominal} ({100 * spent / max(1, nominal):.1f}% of cacheless; "
-          f"edits repeat across draws, so later repeats are free too)")
+    print(f"[cache] {n} random single-field edits of {len(specs)} mutated-baseline specs (135M, max_tokens "
+          f"{a.max_tokens}): worker tokens with cache {spent}, without {nominal} ({100 * spent / max(1, nominal):.1f}% "
+          f"of cacheless; edits repeat across draws, so later repeats are free too)")
     pool.close()
 
 

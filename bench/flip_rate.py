@@ -5,12 +5,12 @@
 One embedded llama-server (4 slots, continuous batching, as the trainer's pool runs it). The same request (a GSM8K train
 question, temperature 0, fixed seed) is sent `repeats` times under three conditions:
   c1     one request at a time (the server's other slots idle);
-  c8     8 requests in flight: the repeats interleaved with as many OTHER questions, so the batch each repeat is decoded in
-         differs from repeat to repeat (what a training step's concurrent executions do);
-  det    8 callers as in c8, through lemon's deterministic client (lemon.run.servers.DETERMINISTIC: one request in flight
-         per server and llama-server's prompt cache off), which the trainer's scoring uses.
-Printed per condition: distinct replies, flip rate (share of repeats whose reply differs from the most common one), distinct
-final answers, seconds. Written to DIR/flip_rate.json when --out is given.
+  c8     8 requests in flight: the repeats interleaved with as many OTHER questions, so the batch each repeat is decoded
+         in differs from repeat to repeat (what a training step's concurrent executions do);
+  det    8 callers as in c8, through lemon's deterministic client (lemon.run.servers.DETERMINISTIC: one request in
+         flight per server and llama-server's prompt cache off), which the trainer's scoring uses.
+Printed per condition: distinct replies, flip rate (share of repeats whose reply differs from the most common one),
+distinct final answers, seconds. Written to DIR/flip_rate.json when --out is given.
 """
 from __future__ import annotations
 
@@ -71,12 +71,13 @@ def main(argv=None) -> int:
         det = m.backend(a.model, **DETERMINISTIC)
         for name, backend, flight in (("c1", plain, 1), ("c8", plain, 8), ("det", det, 8)):
             r = res["conditions"][name] = run_condition(backend, target, others, a.repeats, flight, params)
-            print(f"[flip_rate] {name:4s} in flight {flight}: {r['distinct_replies']} distinct replies of {r['repeats']}, "
-                  f"flip rate {r['flip_rate']:.2f}, answers {r['distinct_answers']}, {r['seconds']:.0f} s for "
-                  f"{r['requests']} requests", flush=True)
+            print(f"[flip_rate] {name:4s} in flight {flight}: {r['distinct_replies']} distinct replies of "
+                  f"{r['repeats']}, flip rate {r['flip_rate']:.2f}, answers {r['distinct_answers']}, "
+                  f"{r['seconds']:.0f} s for {r['requests']} requests", flush=True)
         res["server"] = m.describe_server(a.model)
     c = res["conditions"]
-    res["det_mode_equals_c1"] = c["det"]["mode_reply"] == c["c1"]["mode_reply"]  # deterministic = the reply it gets alone
+    # deterministic = the reply it gets alone
+    res["det_mode_equals_c1"] = c["det"]["mode_reply"] == c["c1"]["mode_reply"]
     print(f"[flip_rate] det's reply {'==' if res['det_mode_equals_c1'] else '!='} the reply alone (c1)")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -3,21 +3,22 @@
     python bench/gpu_check.py --out DIR [--device auto|cpu|cuda] [--tokenizer DIR] [--probe paper|tiny]
     bash scripts/gpu_check.sh              # the same on a bare GPU machine (carried wheels, tokenizer and data)
 
-Five checks, each recorded in DIR/gpu_check.json (pass / fail, figures) and printed as it ends; one failing check does not
-stop the others; the exit code is 1 when any failed.
+Five checks, each recorded in DIR/gpu_check.json (pass / fail, figures) and printed as it ends; one failing check does
+not stop the others; the exit code is 1 when any failed.
 1. env       torch / CUDA / GPU / package versions, CPU SIMD flags.
-2. cf_loss   lemon.train.cf.step_advantages + TRL's token-level loss on a tiny random Qwen2 (fp32) on the device against the
-             same on the CPU: loss and LoRA gradients must agree (finding 1 was a device mismatch in exactly this path).
-3. rollouts  grammar-constrained sampling (lemon.policy.rollout.sample_specs + llguidance) on the device: every spec parses,
-             the same seed gives the same specs.
-4. trainer   lemon.train.pipeline.train (TRL GRPOTrainer + CF mixin, transformers backend) on the tiny testbed world with the
-             exact simulated scorer: 3 steps, then checkpoint-3 removed and the run resumed from checkpoint-2; finite
-             losses, the LoRA moved, the resumed run reaches step 3.
+2. cf_loss   lemon.train.cf.step_advantages + TRL's token-level loss on a tiny random Qwen2 (fp32) on the device against
+             the same on the CPU: loss and LoRA gradients must agree (finding 1 was a device mismatch in exactly this
+             path).
+3. rollouts  grammar-constrained sampling (lemon.policy.rollout.sample_specs + llguidance) on the device: every spec
+             parses, the same seed gives the same specs.
+4. trainer   lemon.train.pipeline.train (TRL GRPOTrainer + CF mixin, transformers backend) on the tiny testbed world
+             with the exact simulated scorer: 3 steps, then checkpoint-3 removed and the run resumed from checkpoint-2;
+             finite losses, the LoRA moved, the resumed run reaches step 3.
 5. probe     a random-init policy at the paper's shape (Qwen2.5-7B dims in bf16, LoRA r=16 on the 7 projections), one CF
-             step (forward, TRL's per-token loss with (B, T) CF advantages, backward, AdamW) at batch 16 with prompt 970 +
-             completion 740 tokens, gradient checkpointing off and on; the largest micro-batch that fits (16, 8, 4, 2, 1 with
-             gradient accumulation to 16): seconds per step and peak GiB. '--probe tiny' (the default on a CPU) runs the same
-             code at a toy shape, so the README suite keeps it alive.
+             step (forward, TRL's per-token loss with (B, T) CF advantages, backward, AdamW) at batch 16 with prompt 970
+             + completion 740 tokens, gradient checkpointing off and on; the largest micro-batch that fits (16, 8, 4, 2,
+             1 with gradient accumulation to 16): seconds per step and peak GiB. '--probe tiny' (the default on a CPU)
+             runs the same code at a toy shape, so the README suite keeps it alive.
 The tiny policy uses a real tokenizer (--tokenizer; default: the converted SmolLM2-135M's) so the spec grammar compiles.
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ from lemon.policy.model import TINY_QWEN2, random_policy
 
 PAPER_SHAPE = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                    num_attention_heads=28, num_key_value_heads=4)  # Qwen2.5-7B-Instruct's config.json
-PAPER_BATCH = dict(batch=16, prompt=970, completion=740)  # the paper profile's measured prompt / spec lengths (DESIGN.md)
+# the paper profile's measured prompt / spec lengths (DESIGN.md)
+PAPER_BATCH = dict(batch=16, prompt=970, completion=740)
 TINY_BATCH = dict(batch=4, prompt=24, completion=16)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -86,7 +88,8 @@ def cf_step_loss(model, ids, cmask, smask, rewards, deltas, *, lam=1.0, micro=No
     from trl.trainer.utils import selective_log_softmax
     from lemon.train.cf import step_advantages
     B, T = cmask.shape
-    adv, keep, _ = step_advantages(rewards, [i // 4 for i in range(B)], deltas, cmask, smask, lam=lam)  # (B, T) on device
+    # (B, T) on device
+    adv, keep, _ = step_advantages(rewards, [i // 4 for i in range(B)], deltas, cmask, smask, lam=lam)
     mask = cmask * keep[:, None].to(cmask.dtype)  # (B, T)
     n_tok = mask.sum()
     micro = micro or B
@@ -205,8 +208,8 @@ def check_trainer(dev, tiny: Path, out: Path, quick: bool = False) -> dict:
 
 
 def probe(dev, shape: dict, batch: dict, gc: bool) -> dict:
-    """One CF step of a random-init policy of `shape` (bf16 on CUDA, fp32 on CPU) with LoRA r=16: the largest micro-batch
-    that fits (OOM -> halve, gradient accumulation to the full batch). Seconds of the step and peak GiB."""
+    """One CF step of a random-init policy of `shape` (bf16 on CUDA, fp32 on CPU) with LoRA r=16: the largest
+    micro-batch that fits (OOM -> halve, gradient accumulation to the full batch). Seconds of the step and peak GiB."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=False, **{"vocab_size": 49152, **shape})
@@ -264,9 +267,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: converted SmolLM2-135M)")
-    ap.add_argument("--probe", default=None, choices=("paper", "tiny"), help="probe shape (default: paper on cuda, else tiny)")
+    ap.add_argument("--probe", default=None, choices=("paper", "tiny"),
+                    help="probe shape (default: paper on cuda, else tiny)")
     ap.add_argument("--only", default=None, help="comma-separated subset of env,cf_loss,probe,rollouts,trainer")
-    ap.add_argument("--quick", action="store_true", help="smaller rollouts and trainer batch (the CPU test in the suite)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smaller rollouts and trainer batch (the CPU test in the suite)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if a.device == "auto" else a.device))

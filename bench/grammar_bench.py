@@ -1,8 +1,9 @@
 """Grammar-constrained rollouts of the orchestrator policy (issue 11, "Learning signal" / "Policy speed on CPU").
 
 Three measurements, each printing figures (nothing asserted):
-  valid (default)  valid-spec rate of sampled specs at T=1, constrained vs unconstrained, with tokens/s and mean completion
-                   tokens, on seeded train-pool questions (gsm8k -> math; --extra adds one mmlu and one humaneval row set)
+  valid (default)  valid-spec rate of sampled specs at T=1, constrained vs unconstrained, with tokens/s and mean
+                   completion tokens, on seeded train-pool questions (gsm8k -> math; --extra adds one mmlu and one
+                   humaneval row set)
   --dtype          generate throughput at batch 8 for fp32 weights, bf16 weights and fp32 + bf16 autocast, with/without
                    the grammar (lemon.policy.dtype chooses the sampling default from this)
   --libs           llguidance vs xgrammar on the spec grammar: tokenizer + grammar compile time per tokenizer, mask
@@ -78,9 +79,11 @@ def run_valid(a):
             for i in range(0, len(msgs), a.batch_prompts):  # one generate call per batch of prompts (x n rows)
                 t0 = time.perf_counter()
                 out += sample_specs(model, tok, msgs[i:i + a.batch_prompts], n=a.n, temperature=1.0,
-                                    max_new_tokens=a.max_new_tokens, seed=a.seed + i, constraint=con, dtype=a.sampling_dtype)
+                                    max_new_tokens=a.max_new_tokens, seed=a.seed + i, constraint=con,
+                                    dtype=a.sampling_dtype)
                 wall += time.perf_counter() - t0
-                print(f"  [{bench} {arm}] {len(out)}/{len(msgs) * a.n} samples, {wall:.0f} s", file=sys.stderr, flush=True)
+                print(f"  [{bench} {arm}] {len(out)}/{len(msgs) * a.n} samples, {wall:.0f} s", file=sys.stderr,
+                      flush=True)
             ok, errs = 0, {}
             for s in out:
                 try:
@@ -99,8 +102,8 @@ def run_dtype(a):
     from lemon.policy.rollout import GrammarConstraint, sample_specs
     import torch
     msgs, dom = _messages("gsm8k", 1, a.seed, a.max_agents)
-    print(f"cpu bf16 flags {sorted(cpu_bf16_flags())} native {cpu_bf16_native()} | {a.model} | batch {a.n} (1 prompt x n) | "
-          f"{a.max_new_tokens} new tokens | torch threads {a.threads}")
+    print(f"cpu bf16 flags {sorted(cpu_bf16_flags())} native {cpu_bf16_native()} | {a.model} | batch {a.n} (1 "
+          f"prompt x n) | {a.max_new_tokens} new tokens | torch threads {a.threads}")
     grammar = SpecGrammar.for_domain(default_prompts(), dom, max_agents=a.max_agents)
     cache = GrammarCache()
     policy, tok = _load(a.model)
@@ -109,11 +112,13 @@ def run_dtype(a):
     t_copy = time.perf_counter() - t0
     t0 = time.perf_counter()
     shadow.sync(policy)
-    print(f"SamplingCopy: made in {t_copy:.1f} s, sync {1e3 * (time.perf_counter() - t0):.1f} ms (no trainable params here)")
+    print(f"SamplingCopy: made in {t_copy:.1f} s, sync {1e3 * (time.perf_counter() - t0):.1f} ms (no trainable "
+          "params here)")
     cache.matcher(tok, grammar, n_vocab=policy.get_output_embeddings().weight.shape[0], eos_ids=[tok.eos_token_id])
     runs: dict = {}
     configs = [(w, m, d, c) for w, m, d in (("fp32", policy, "model"), ("bf16", shadow.model, "model"),
-                                            ("fp32", policy, "autocast_bf16")) for c in (None, GrammarConstraint(grammar, cache))]
+                                            ("fp32", policy, "autocast_bf16"))
+                                            for c in (None, GrammarConstraint(grammar, cache))]
     for _ in range(a.rounds):  # interleaved rounds; the minimum is the figure least disturbed by other jobs
         for weights, model, mode, con in configs:
             t0 = time.perf_counter()  # prefill (shared prompt) + 1 token: subtracted to get the decode rate
@@ -130,17 +135,20 @@ def run_dtype(a):
     for (weights, mode, g), rs in runs.items():
         wall = min(r[0] for r in rs)
         med = statistics.median(r[0] for r in rs)
-        print(f"weights {weights} {mode:14} grammar {'yes' if g else 'no ':3}  {rs[0][1]:4d} tokens  wall {wall:5.1f} s "
-              f"({med:5.1f})  {rs[0][1] / wall:5.1f} tok/s | prefill {min(r[2] for r in rs):4.1f} s | decode step "
-              f"{1e3 * min(r[3] for r in rs):4.0f} ms ({1e3 * statistics.median(r[3] for r in rs):4.0f})", flush=True)
+        print(f"weights {weights} {mode:14} grammar {'yes' if g else 'no ':3}  {rs[0][1]:4d} tokens  wall "
+              f"{wall:5.1f} s ({med:5.1f})  {rs[0][1] / wall:5.1f} tok/s | prefill {min(r[2] for r in rs):4.1f} s | "
+              f"decode step {1e3 * min(r[3] for r in rs):4.0f} ms ({1e3 * statistics.median(r[3] for r in rs):4.0f})",
+              flush=True)
 
 
-# ---- --libs --------------------------------------------------------------------------------------------------------------
+# ---- --libs ----------------------------------------------------------------------------------------------------------
 def _random_canonical(rng: random.Random, roles, max_agents: int) -> str:
-    words = "plan solve check the and numbers result carefully step total (each) one, two; price = 3 + 4 * x / 2 is it?".split()
+    words = ("plan solve check the and numbers result carefully step total (each) one, two; price = 3 + 4 * x / 2 "
+             "is it?").split()
     agents = []
     for k in range(1, rng.randint(1, max_agents) + 1):
-        text = lambda lo, hi, m: clean_text(" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi))), m) or "R"  # noqa
+        text = lambda lo, hi, m: (clean_text(" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi))), m)  # noqa
+                                  or "R")
         deps = tuple(f"a{j}" for j in range(1, k) if rng.random() < 0.4)
         agents.append(Agent(f"a{k}", rng.choice(roles), text(1, 5, 48), text(3, 30, 200),
                             rng.choice(("small", "medium", "large")), deps))
@@ -150,8 +158,10 @@ def _random_canonical(rng: random.Random, roles, max_agents: int) -> str:
 def _corrupt(text: str, rng: random.Random) -> str:
     """A near-miss the grammar must reject (each stays valid YAML; most would even parse)."""
     fixes = [lambda t: t.replace("role: \"", "role: \"X: ", 1), lambda t: t.replace("id: a1", "id: plan", 1),
-             lambda t: t.replace("depends_on: []", "depends_on: [a1]", 1), lambda t: t.replace("final: a", "final: a0", 1),
-             lambda t: t.replace("capacity: small", "capacity: huge", 1), lambda t: t.replace("duty: \"", "duty: \"" + "x" * 201, 1),
+             lambda t: t.replace("depends_on: []", "depends_on: [a1]", 1),
+             lambda t: t.replace("final: a", "final: a0", 1),
+             lambda t: t.replace("capacity: small", "capacity: huge", 1),
+             lambda t: t.replace("duty: \"", "duty: \"" + "x" * 201, 1),
              lambda t: t.replace("base_role: ", "base_role: wizard", 1), lambda t: t.replace("\"\n", "\" \n", 1)]
     return next(t for t in (f(text) for f in rng.sample(fixes, len(fixes))) if t != text)
 
@@ -192,7 +202,8 @@ def run_libs(a):
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V, stop_token_ids=eos)
                 t_tok = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                cg = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False).compile_grammar(xgr.Grammar.from_lark(g.lark()))
+                cg = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False).compile_grammar(
+                    xgr.Grammar.from_lark(g.lark()))
                 row["xgrammar"] = (t_tok, time.perf_counter() - t0)
             for lib, (tt, tg) in row.items():
                 print(f"{name:20} max_agents {max_agents}  {lib:10}  tokenizer {tt:5.2f} s  grammar {tg:5.2f} s")
@@ -238,7 +249,8 @@ def run_libs(a):
                         bm.batch_fill_next_token_bitmask([ms[b] for b in live], mask, live)
                         for b in live:
                             tid = rows[b][t] if t < len(rows[b]) else eos[0]
-                            ok[b] = ok[b] and bool((int(mask[b, tid // 32]) >> (tid % 32)) & 1) and ms[b].accept_token(tid)
+                            ok[b] = (ok[b] and bool((int(mask[b, tid // 32]) >> (tid % 32)) & 1)
+                                     and ms[b].accept_token(tid))
                         step_s.append(time.perf_counter() - t0)
                     acc += ok
                 return acc, step_s
@@ -249,8 +261,9 @@ def run_libs(a):
                 good, st = fn(ids)
                 rej, _ = fn(bad_ids)
                 print(f"{name:20} {lib:10}  mask+consume per step at batch 8: mean {1e3 * statistics.mean(st):.2f} ms, "
-                      f"p95 {1e3 * float(np.percentile(st, 95)):.2f} ms | accepts {sum(good)}/{len(good)} canonical texts, "
-                      f"rejects {len(rej) - sum(rej)}/{len(rej)} near-misses ({sum(parsed)} of which parse_spec accepts)")
+                      f"p95 {1e3 * float(np.percentile(st, 95)):.2f} ms | accepts {sum(good)}/{len(good)} "
+                      f"canonical texts, rejects {len(rej) - sum(rej)}/{len(rej)} near-misses ({sum(parsed)} of which "
+                      "parse_spec accepts)")
 
 
 def _parses(text: str, roles) -> bool:

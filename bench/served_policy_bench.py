@@ -5,11 +5,11 @@ how close are their token log-probs, and how much faster is the server?
     .venv/bin/python bench/served_policy_bench.py --model qwen2.5-coder-0.5b --random-lora 0.05 --n 4 --max-agents 4
     .venv/bin/python bench/served_policy_bench.py ... --weights shipped      # the quantized GGUF instead of exact F32
 
-Questions: the first --n of GSM8K's train pool shuffled with --seed (never eval-pool questions). --random-lora S builds a
-LoRA with every B ~ N(0, S^2) (seed 0; peft's fresh B is zero, which would test nothing) in a temp folder. Both writers are
-greedy under the spec grammar; transformers runs first for all questions, then the server, so neither competes with the
-other for the 2 cores (other jobs on the machine still do: say so when quoting times). Prints one line per question and a
-summary; --json writes it all.
+Questions: the first --n of GSM8K's train pool shuffled with --seed (never eval-pool questions). --random-lora S builds
+a LoRA with every B ~ N(0, S^2) (seed 0; peft's fresh B is zero, which would test nothing) in a temp folder. Both
+writers are greedy under the spec grammar; transformers runs first for all questions, then the server, so neither
+competes with the other for the 2 cores (other jobs on the machine still do: say so when quoting times). Prints one line
+per question and a summary; --json writes it all.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def random_lora(model_name: str, scale: float, out: Path, r: int = 8) -> Path:
 
 
 def logprob_gap(model, tok, served, prompt_ids: list[int], n: int = 40) -> float:
-    """max |log p_hf - log p_server| over the server's first n unconstrained greedy tokens (same token ids fed to both)."""
+    """max |log p_hf - log p_server| over the server's first n unconstrained greedy tokens (same token ids fed to
+    both)."""
     import torch
     out = served._post({"prompt": prompt_ids, "n_predict": n, "temperature": 0.0, "n_probs": 1, "return_tokens": True,
                         "top_k": 0, "min_p": 0.0, "cache_prompt": False})

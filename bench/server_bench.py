@@ -1,6 +1,8 @@
-"""Worker-server figures (issue 12), printed, not asserted. Real shipped models, the llama-server built by scripts/setup.sh.
+"""Worker-server figures (issue 12), printed, not asserted. Real shipped models, the llama-server built by
+scripts/setup.sh.
 
-  .venv/bin/python bench/server_bench.py [--only batched,threads,eval] [--questions 20] [--k 4] [--out outputs/bench/servers]
+  .venv/bin/python bench/server_bench.py [--only batched,threads,eval] [--questions 20] [--k 4] \
+      [--out outputs/bench/servers]
   .venv/bin/python bench/server_bench.py --only step --run outputs/train-cpu-20261201/grpo_run --step 2
 
 1. batched: aggregate tokens/s of K concurrent requests to one managed llama-server (prompt ~256 tokens, 64 generated,
@@ -11,13 +13,13 @@
    tokens per CPU-second (on a shared machine more threads also buy a bigger share of the cores).
 3. eval: questions/min of `lemon eval` for CoT at large and Complete at medium on N GSM8K test questions (seeded sample,
    seed 0): the in-process llama-cpp-python backend (the default before issue 12, when the package is installed) vs the
-   managed servers at --concurrency K. Goal >= 2x. Accuracy and tokens are printed too (greedy; they may differ slightly:
-   continuous batching is not bit-for-bit batch-invariant).
+   managed servers at --concurrency K. Goal >= 2x. Accuracy and tokens are printed too (greedy; they may differ
+   slightly: continuous batching is not bit-for-bit batch-invariant).
 4. step: the worker time of one recorded CF-GRPO step (--run a `lemon train` grpo_run folder, --step N): every spec that
-   step sampled (kept and discarded groups) executed, then one counterfactual edit per valid rollout (edit RNG and family
-   sampler as the trainer seeds them; a fresh sampler, so both arms get the same edits), through lemon.train.scoring with a
-   fresh node cache: the in-process backend run sequentially (the executor before issue 12) vs the managed servers at the
-   trainer's rollout concurrency.
+   step sampled (kept and discarded groups) executed, then one counterfactual edit per valid rollout (edit RNG and
+   family sampler as the trainer seeds them; a fresh sampler, so both arms get the same edits), through
+   lemon.train.scoring with a fresh node cache: the in-process backend run sequentially (the executor before issue 12)
+   vs the managed servers at the trainer's rollout concurrency.
 Every figure depends on what else runs on the machine: say so when you quote one.
 """
 from __future__ import annotations
@@ -46,8 +48,9 @@ FILLER = ("The committee met on a cold morning to review the budget, the schedul
 
 
 class InProcess:
-    """The default worker before issue 12 (lemon.run.backends.LlamaCppBackend at commit a2210de), kept here only to measure
-    against: llama-cpp-python in-process, every usable core per decode, one CPU lock shared by the pool's handles."""
+    """The default worker before issue 12 (lemon.run.backends.LlamaCppBackend at commit a2210de), kept here only to
+    measure against: llama-cpp-python in-process, every usable core per decode, one CPU lock shared by the pool's
+    handles."""
 
     backend, max_concurrency, supports_json_schema = "llama_cpp", 1, True
 
@@ -82,7 +85,8 @@ def batched_bench_binary() -> Path:
     exe = build / "bin" / "llama-batched-bench"
     if not exe.exists():
         print(f"[batched] building llama-batched-bench in {build} ...", flush=True)
-        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-batched-bench"],
+        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target",
+                        "llama-batched-bench"],
                        check=True, stdout=subprocess.DEVNULL)
     return exe
 
@@ -101,17 +105,20 @@ _IDS = itertools.count()
 
 
 def prompt_of(backend, i: int, target: int = 256) -> list[dict]:
-    """A user message whose chat-templated prompt is ~`target` tokens; `i` makes each prompt distinct from its first token
-    (no prefix reuse across requests). The words-per-token ratio is measured once per model with a 1-token call."""
+    """A user message whose chat-templated prompt is ~`target` tokens; `i` makes each prompt distinct from its first
+    token (no prefix reuse across requests). The words-per-token ratio is measured once per model with a 1-token
+    call."""
     words = (f"Request {i}. " + FILLER * 12).split()
     if backend.model not in _WORDS_PER_TOKEN:
-        n = backend.chat([{"role": "user", "content": " ".join(words[:200])}], SamplingParams(max_tokens=1)).prompt_tokens
+        n = backend.chat([{"role": "user", "content": " ".join(words[:200])}],
+                         SamplingParams(max_tokens=1)).prompt_tokens
         _WORDS_PER_TOKEN[backend.model] = 200 / n
     return [{"role": "user", "content": " ".join(words[:int(target * _WORDS_PER_TOKEN[backend.model])])}]
 
 
 def load(backends_k: list[tuple[object, int]], ntg: int = 64, rounds: int = 1) -> dict:
-    """Send K concurrent requests to each (backend, K) at once; aggregate (prompt + completion) tokens / wall per backend."""
+    """Send K concurrent requests to each (backend, K) at once; aggregate (prompt + completion) tokens / wall per
+    backend."""
     jobs = [(b, prompt_of(b, next(_IDS))) for b, k in backends_k for _ in range(k)]  # never a prompt seen before
     p = SamplingParams(max_tokens=ntg)
     res: dict[int, list] = {id(b): [] for b, _ in backends_k}
@@ -143,10 +150,10 @@ def section_batched(a, log_dir: Path):
             load([(b, k)])  # warm-up: page in the weights, fill the slots once
             r = load([(b, k)])[model]
         ref = s_ref["PASSIVE" if dict(cfg.env).get("OMP_WAIT_POLICY") == "PASSIVE" else ""][k]
-        print(f"[batched] {model} -t {t} {dict(cfg.env)}, K={k}: server {r['tok_s']:.1f} tok/s (prompt {r['prompt']:.0f}, "
-              f"gen {r['gen']:.0f} per request); llama-batched-bench S {s_ref[''][k]:.1f} (OpenMP default wait), "
-              f"{s_ref['PASSIVE'][k]:.1f} (OMP_WAIT_POLICY=PASSIVE) -> server / same-env S = {r['tok_s'] / ref:.2f} "
-              f"(goal >= 0.75 at K=4); load avg {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"[batched] {model} -t {t} {dict(cfg.env)}, K={k}: server {r['tok_s']:.1f} tok/s (prompt "
+              f"{r['prompt']:.0f}, gen {r['gen']:.0f} per request); llama-batched-bench S {s_ref[''][k]:.1f} (OpenMP "
+              f"default wait), {s_ref['PASSIVE'][k]:.1f} (OMP_WAIT_POLICY=PASSIVE) -> server / same-env S = "
+              f"{r['tok_s'] / ref:.2f} (goal >= 0.75 at K=4); load avg {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def cpu_s(pid: int) -> float:
@@ -159,8 +166,8 @@ def section_threads(a, log_dir: Path):
     """Wall tok/s AND tokens per CPU-second: on a shared machine more threads also means a bigger share of the cores, so
     wall figures alone favour -t 2; CPU-seconds show what spinning threads waste."""
     models = [DEFAULT_LADDER[c] for c in ("small", "medium", "large")]
-    # OMP_WAIT_POLICY=PASSIVE: this build's barriers are OpenMP's (`#pragma omp barrier` in ggml_barrier); passive waiters
-    # sleep in a futex instead of spinning, which may rescue -t 2 when the cores are shared
+    # OMP_WAIT_POLICY=PASSIVE: this build's barriers are OpenMP's (`#pragma omp barrier` in ggml_barrier); passive
+    # waiters sleep in a futex instead of spinning, which may rescue -t 2 when the cores are shared
     for t, env in ((1, ()), (2, ()), (2, (("OMP_WAIT_POLICY", "PASSIVE"),))):
         label = f"{t}{' OMP_WAIT_POLICY=PASSIVE' if env else ''}"
         with ServerManager(log_dir / f"threads-t{t}{'-passive' if env else ''}") as m:
@@ -176,8 +183,9 @@ def section_threads(a, log_dir: Path):
                 cpu = {n: cpu_s(pid) - c0[n] for n, pid in pids.items()}
                 per = ", ".join(f"{n} {r[n]['tok_s']:.1f} tok/s ({r[n]['tok_s'] * r[n]['wall'] / cpu[n]:.1f}/cpu-s)"
                                 for n in group)
-                print(f"[threads] -t {label}, {' + '.join(group)}{' at once' if len(group) > 1 else ' alone'}, K={a.k} each: "
-                      f"{per}; sum {sum(r[n]['tok_s'] for n in group):.1f} tok/s; load avg {l0:.1f}", flush=True)
+                print(f"[threads] -t {label}, {' + '.join(group)}{' at once' if len(group) > 1 else ' alone'}, "
+                      f"K={a.k} each: {per}; sum {sum(r[n]['tok_s'] for n in group):.1f} tok/s; load avg {l0:.1f}",
+                      flush=True)
 
 
 def section_eval(a, log_dir: Path):
@@ -191,8 +199,8 @@ def section_eval(a, log_dir: Path):
             import llama_cpp  # noqa: F401
         except ImportError:
             arms.remove("in-process")
-            print("[eval] in-process arm skipped: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36 "
-                  "to measure the pre-issue-12 default)", flush=True)
+            print("[eval] in-process arm skipped: llama-cpp-python is not installed (pip install "
+                  "llama-cpp-python==0.3.36 to measure the pre-issue-12 default)", flush=True)
     cells = [tuple(c.split(":")) for c in a.cells.split(",")]
     for method, cap in cells:  # the two arms of a cell back to back: they see the same machine load, as far as possible
         for arm in arms:
@@ -255,10 +263,11 @@ def section_step(a, log_dir: Path):
             pool = WorkerPool.embedded_default(max_tokens=max_tokens, server=ServerConfig(slots=a.k, threads=a.threads),
                                                log_dir=log_dir / "step")
             k = cfg["rollout_concurrency"]
-        scorer = SpecScorer(pool, P, examples, benches, reward=RewardConfig(**cfg["reward"]), caps=caps, cache=NodeCache(),
-                            sampler=FamilySampler(floor=cfg["family_floor"]), cf_lambda=cfg["cf_lambda"],
-                            families=tuple(cfg["cf_families"]), max_agents=cfg["max_agents"], seed=cfg["seed"],
-                            concurrency=k, worker_seed_per_step=cfg["worker_seed_per_step"])
+        scorer = SpecScorer(pool, P, examples, benches, reward=RewardConfig(**cfg["reward"]), caps=caps,
+                            cache=NodeCache(), sampler=FamilySampler(floor=cfg["family_floor"]),
+                            cf_lambda=cfg["cf_lambda"], families=tuple(cfg["cf_families"]),
+                            max_agents=cfg["max_agents"], seed=cfg["seed"], concurrency=k,
+                            worker_seed_per_step=cfg["worker_seed_per_step"])
         try:
             t0 = time.perf_counter()
             rolls = scorer.score(items, a.step)
@@ -269,9 +278,10 @@ def section_step(a, log_dir: Path):
             pool.close()
         ok = sum(r.cf_status == "ok" for r in rolls)
         print(f"[step] {arm:10s} concurrency {k}: rollouts {t1 - t0:.0f} s + CF re-execution {t2 - t1:.0f} s = "
-              f"{t2 - t0:.0f} s worker time; {sum(r.tokens_spent for r in rolls)} + {sum(r.cf_tokens_spent for r in rolls)} "
-              f"tokens; success {sum(r.reward.success for r in rolls if r.valid)}/{sum(r.valid for r in rolls)}, "
-              f"CF deltas {ok}, errored {sum(r.errored for r in rolls)}", flush=True)
+              f"{t2 - t0:.0f} s worker time; {sum(r.tokens_spent for r in rolls)} + "
+              f"{sum(r.cf_tokens_spent for r in rolls)} tokens; success "
+              f"{sum(r.reward.success for r in rolls if r.valid)}/{sum(r.valid for r in rolls)}, CF deltas {ok}, "
+              f"errored {sum(r.errored for r in rolls)}", flush=True)
 
 
 def main():
@@ -279,12 +289,14 @@ def main():
     ap.add_argument("--only", default="batched,threads,eval", help="comma-separated sections to run")
     ap.add_argument("--questions", type=int, default=20)
     ap.add_argument("--k", type=int, default=4, help="concurrent requests / questions in flight / server slots")
-    ap.add_argument("--threads", type=int, default=None, help="-t of the servers in batched and eval (default: ServerConfig's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="-t of the servers in batched and eval (default: ServerConfig's)")
     ap.add_argument("--capacity", default="large", help="the model of the batched section")
     ap.add_argument("--cells", default="cot:large,complete:medium", help="method:capacity cells of the eval section")
     ap.add_argument("--arms", default="in-process,servers", help="arms of the eval section")
     ap.add_argument("--out", default=None, help="folder for server logs and eval rows (default: a temp dir)")
-    ap.add_argument("--run", default=None, help="step section: a `lemon train` grpo_run folder (manifest + rollouts.jsonl)")
+    ap.add_argument("--run", default=None,
+                    help="step section: a `lemon train` grpo_run folder (manifest + rollouts.jsonl)")
     ap.add_argument("--step", type=int, default=2, help="step section: which recorded step to re-execute")
     a = ap.parse_args()
     log_dir = Path(a.out or tempfile.mkdtemp(prefix="lemon-server-bench-"))

@@ -1,15 +1,15 @@
-"""A CF-GRPO step's time split: policy sampling, worker execution, counterfactual re-execution, loss + backward (issue 11,
-"Policy speed on CPU"). Runs `--steps` real training steps of a preset into a fresh folder and prints, per step and as the
-median, the seconds of each phase from metrics.jsonl (step/sample_s, step/score_s, step/cf_s; loss + backward + optimizer =
-time/step_s minus those), per rollout too, since presets differ in batch size.
+"""A CF-GRPO step's time split: policy sampling, worker execution, counterfactual re-execution, loss + backward (issue
+11, "Policy speed on CPU"). Runs `--steps` real training steps of a preset into a fresh folder and prints, per step and
+as the median, the seconds of each phase from metrics.jsonl (step/sample_s, step/score_s, step/cf_s; loss + backward +
+optimizer = time/step_s minus those), per rollout too, since presets differ in batch size.
 
     .venv/bin/python bench/step_bench.py --profile cpu --steps 2            # this tree
     .venv/bin/python bench/step_bench.py --profile cpu --steps 2 --no-cf    # global GRPO (no re-execution)
     .venv/bin/python bench/step_bench.py --run outputs/train-cpu/grpo_run     # the split of a finished run, no training
 
 The figure to compare against is the 2026-11-30 cpu study (LOG.md): 215-333 s per step of 4 rollouts (0.5B policy fp32,
-unconstrained, in-process llama.cpp workers), i.e. 54-83 s per rollout. Timings on a shared 2-core machine are pessimistic:
-run it alone.
+unconstrained, in-process llama.cpp workers), i.e. 54-83 s per rollout. Timings on a shared 2-core machine are
+pessimistic: run it alone.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def main(argv=None) -> int:
         run = cfg.to_dict()
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward" in r]
-    print(f"profile {run['profile']}: policy {run['policy']['model']}, batch {run['batch_size']} (G={run['num_generations']}), "
-          f"constrained={run['constrained']}, cf_lambda={run['cf_lambda']}, sample_dtype={run['sample_dtype']}, "
-          f"bf16 autocast for the loss: {auto}")
+    print(f"profile {run['profile']}: policy {run['policy']['model']}, batch {run['batch_size']} "
+          f"(G={run['num_generations']}), constrained={run['constrained']}, cf_lambda={run['cf_lambda']}, "
+          f"sample_dtype={run['sample_dtype']}, bf16 autocast for the loss: {auto}")
     # per kept rollout = total / batch size; dynamic sampling also samples (and executes) G specs per resampled group
     print(f"{'step':>4} {'total':>8} {'sample':>8} {'workers':>8} {'cf':>8} {'loss+bwd':>9} {'per rollout':>12} "
           f"{'sampled':>8} {'per sampled':>12}")
@@ -65,8 +65,9 @@ def main(argv=None) -> int:
               f"{n:8d} {t / n:12.1f}")
     if splits:
         med = [statistics.median(x) for x in zip(*splits)]
-        print(f"{'med':>4} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:8.1f} {med[4]:9.1f} {med[0] / run['batch_size']:12.1f} "
-              f"{med[5]:8.0f} {statistics.median(x[0] / x[5] for x in splits):12.1f}")
+        print(f"{'med':>4} {med[0]:8.1f} {med[1]:8.1f} {med[2]:8.1f} {med[3]:8.1f} {med[4]:9.1f} "
+              f"{med[0] / run['batch_size']:12.1f} {med[5]:8.0f} "
+              f"{statistics.median(x[0] / x[5] for x in splits):12.1f}")
     if wall is not None:
         print(f"wall {wall:.0f} s including model load; folder {out}")
     return 0

@@ -60,8 +60,8 @@ def main(root: str, plot_path: str | None = None) -> None:
             lo, hi = s["ci95"]
             out.append(f"{s['accuracy']:.2f} [{lo:.2f}-{hi:.2f}], {s['mean_worker_tokens']:.0f} tok, n={s['n']}")
         print(f"| {m} | " + " | ".join(out) + " |")
-    # cells may come from different commits (the table is filled over sessions, resumably); what makes them comparable is
-    # the same prompts, worker weights and question sample, so say so when they agree and stop when they do not
+    # cells may come from different commits (the table is filled over sessions, resumably); what makes them comparable
+    # is the same prompts, worker weights and question sample, so say so when they agree and stop when they do not
     manifests = {f"{c}-{m}": man for (m, c), (_, man, _) in cells.items()}
     for what, get in (("prompts", lambda man: man["prompts_sha256"]),
                       ("worker weights", lambda man: {c: w.get("sha256") for c, w in man["workers"].items()}),
@@ -103,7 +103,8 @@ def paired(cells: dict, methods: list[str], caps: list[str], ref: str = "cot") -
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("root", nargs="?", default="outputs/bench/baselines", help="folder of <capacity>-<method> eval runs")
+    ap.add_argument("root", nargs="?", default="outputs/bench/baselines",
+                    help="folder of <capacity>-<method> eval runs")
     ap.add_argument("--plot", metavar="PNG", help="also write the accuracy-vs-tokens plot here")
     a = ap.parse_args()
     main(a.root, a.plot)

@@ -2,10 +2,11 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/testbed_step.py [--steps 6] [--bases random-tiny random-tiny-bpe]
 
-Each base trains --steps steps of the cf arm on the duty world (the settings of experiments/mechanisms.sh: 2 questions x G=4,
-exact scoring, stratified) in a temporary folder; the first step (compiling the grammar, building the policy) is reported
-apart. Per step: sampling, scoring, counterfactual edits and the rest (TRL's loss, backward and optimizer step), median over
-the later steps. Quote the CPU and what else ran with the figures: the machine's two cores are often shared.
+Each base trains --steps steps of the cf arm on the duty world (the settings of experiments/mechanisms.sh: 2 questions x
+G=4, exact scoring, stratified) in a temporary folder; the first step (compiling the grammar, building the policy) is
+reported apart. Per step: sampling, scoring, counterfactual edits and the rest (TRL's loss, backward and optimizer
+step), median over the later steps. Quote the CPU and what else ran with the figures: the machine's two cores are often
+shared.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
     print(f"{'base':<18}{'first step s':>13}{'step s':>9}{'sample s':>10}{'score s':>9}{'cf s':>7}{'rest s':>8}")
     for base in a.bases:
         exp = ExperimentConfig(world="duty", base=base, profile="smoke", max_steps=a.steps, train_questions=16,
-                               heldout_questions=4, eval_every=a.steps, train_overrides=SETTINGS, arms=("cf",), seeds=(0,))
+                               heldout_questions=4, eval_every=a.steps, train_overrides=SETTINGS, arms=("cf",),
+                               seeds=(0,))
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             run_arm("cf", 0, Path(tmp) / "run", world, exp, prompts, progress=False)
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
                                                                     "step/cf_s")}
         rest = med["time/step_s"] - med["step/sample_s"] - med["step/score_s"] - med["step/cf_s"]
         print(f"{base:<18}{rows[0]['time/step_s']:>13.2f}{med['time/step_s']:>9.2f}{med['step/sample_s']:>10.2f}"
-              f"{med['step/score_s']:>9.2f}{med['step/cf_s']:>7.2f}{rest:>8.2f}   ({len(later)} steps; run {wall:.0f} s)")
+              f"{med['step/score_s']:>9.2f}{med['step/cf_s']:>7.2f}{rest:>8.2f}   ({len(later)} steps; run "
+              f"{wall:.0f} s)")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""The seedless credit measurement (lemon.testbed.credit): per world and policy checkpoint, the reference gradient of the
-expected reward (doubling its samples until two independent halves agree to cosine >= --agree, or --max-ref), then the
-cosine of each estimator (grpo@G, cf@G, grpo@2G, the cf term alone) with it over --draws independent draws.
+"""The seedless credit measurement (lemon.testbed.credit): per world and policy checkpoint, the reference gradient of
+the expected reward (doubling its samples until two independent halves agree to cosine >= --agree, or --max-ref), then
+the cosine of each estimator (grpo@G, cf@G, grpo@2G, the cf term alone) with it over --draws independent draws.
 
     .venv/bin/python experiments/grad_cosine.py --worlds duty tiny edge mixed --out outputs/credit/step0
     .venv/bin/python experiments/grad_cosine.py --worlds duty --adapter RUN/grpo/checkpoint-50 --label step50 --out ...
@@ -83,14 +83,15 @@ def write_md(out: Path, rec: dict) -> Path:
         pd = [f"{v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}]" for v in w["paired"].values()]
         lines.append(f"| {w['world']} | {w['reference_samples_per_question']} | {w['reference_halves_cosine']:.3f} | "
                      + " | ".join(cells + pd) + " |")
-    lines += ["", "Disattenuated (lemon.testbed.credit.corrected_cosine: the reference's own noise taken out; the ratio "
-              "is consistent, the paired differences above are of plain cosines, whose attenuation is common to both "
-              "estimators of a pair):", "", "| world | " + " | ".join(ESTIMATORS) + " |",
+    lines += ["", "Disattenuated (lemon.testbed.credit.corrected_cosine: the reference's own noise taken "
+              "out; the ratio is consistent, the paired differences above are of plain cosines, whose attenuation is "
+              "common to both estimators of a pair):", "", "| world | " + " | ".join(ESTIMATORS) + " |",
               "|---" * (1 + len(ESTIMATORS)) + "|"]
     for w in rec["worlds"].values():
         c = w["summary_corrected"]
         lines.append(f"| {w['world']} | " + " | ".join(
-            f"{c[e]['mean']:+.3f} [{c[e]['lo']:+.3f}, {c[e]['hi']:+.3f}]" if e in c else "-" for e in ESTIMATORS) + " |")
+            f"{c[e]['mean']:+.3f} [{c[e]['lo']:+.3f}, {c[e]['hi']:+.3f}]" if e in c else "-" for e in ESTIMATORS)
+            + " |")
     p = out / "credit.md"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -116,7 +117,8 @@ def write_plot(out: Path, rec: dict) -> Path:
             err[1].append(c["hi"] - c["mean"])
         ax.bar(xs, ms, width, yerr=err, capsize=2, label=e, color=f"C{k}")
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(range(len(worlds)), [f"{w['world']}\n(ref halves {w['reference_halves_cosine']:.2f})" for w in worlds])
+    ax.set_xticks(range(len(worlds)),
+                  [f"{w['world']}\n(ref halves {w['reference_halves_cosine']:.2f})" for w in worlds])
     ax.set_ylabel("cosine with grad E[R] (disattenuated)")
     ax.set_title(f"Which estimator points where the expected reward rises? ({rec['label']})", fontsize=9)
     ax.legend(fontsize=7, ncol=3)

@@ -2,14 +2,17 @@
 `scripts/main.sh --profile cpu`, and where the cpu profile's time estimate comes from.
 
     .venv/bin/python experiments/study_dry_run.py --out outputs/dry-cpu --n 3           # cpu: ~30 min on 2 idle cores
-    .venv/bin/python experiments/study_dry_run.py --profile cpu-long --out outputs/dry-long --n 2   # + global, best-fixed, dev
-    .venv/bin/python experiments/study_dry_run.py --profile smoke --out outputs/dry-smoke --n 1 --dev --set policy_server=true \
-        'ablation_variants=["sft","global"]' 'eval_methods=["cot@large","best-fixed","lemon"]' fixed_dev_n=1  # cpu's paths, 135M
+    # cpu-long: + global, best-fixed, dev
+    .venv/bin/python experiments/study_dry_run.py --profile cpu-long --out outputs/dry-long --n 2
+    # the cpu profile's paths on the 135M
+    .venv/bin/python experiments/study_dry_run.py --profile smoke --out outputs/dry-smoke --n 1 --dev \
+        --set policy_server=true 'ablation_variants=["sft","global"]' \
+        'eval_methods=["cot@large","best-fixed","lemon"]' fixed_dev_n=1
 
 Same stages as the notebooks (lemon.study.stages: data, SFT warm start + CF-GRPO, the training variants evaluated, every
 eval method, summary.md), with the profile's config shrunk: --n questions per benchmark for eval and ablation, --steps
-CF-GRPO steps, --sft-questions SFT corpus questions. Prints one `[dry-run] <stage>: <s> s` line per stage and method, the
-seconds per question of each eval method (what a full-size run multiplies by its question count), and writes
+CF-GRPO steps, --sft-questions SFT corpus questions. Prints one `[dry-run] <stage>: <s> s` line per stage and method,
+the seconds per question of each eval method (what a full-size run multiplies by its question count), and writes
 <out>/dry_run.json. Resumable like the study (rerun the same command; a finished stage costs seconds). Times depend on
 what else runs on the machine: say so when quoting them.
 """
@@ -39,8 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
                     help='further StudyConfig fields, e.g. policy_server=true \'eval_methods=["cot@large","lemon"]\'')
-    ap.add_argument("--dev", action="store_true", help="also run the dev-set learning curves (dev_n = --n) even where the "
-                                                       "profile has none")
+    ap.add_argument("--dev", action="store_true",
+                    help="also run the dev-set learning curves (dev_n = --n) even where the "
+                         "profile has none")
     a = ap.parse_args(argv)
     sets = {k: json.loads(v) for k, v in (x.split("=", 1) for x in a.set)}
     sets = {k: tuple(v) if isinstance(v, list) else v for k, v in sets.items()}  # StudyConfig's sequences are tuples
@@ -64,7 +68,8 @@ def main(argv=None) -> int:
         (paths.root / "dry_run.json").write_text(json.dumps(rec, indent=1))
         return out
 
-    print(f"[dry-run] profile {a.profile} shrunk to n={a.n}, {a.steps} step(s), {a.sft_questions} SFT questions -> {paths.root}")
+    print(f"[dry-run] profile {a.profile} shrunk to n={a.n}, {a.steps} step(s), {a.sft_questions} SFT questions -> "
+          f"{paths.root}")
     timed("01 data", lambda: stages.prepare_data(cfg, paths))
     timed("02 sft + cf-grpo", lambda: stages.train_main(cfg, paths, prompts))
     pool = stages.eval_pool(cfg)

@@ -1,14 +1,15 @@
-"""The testbed comparison (issue 13, deliverable 1): CF-GRPO vs global GRPO (lambda = 0) vs each single edit family, several
-seeds, the same budget, on SIMULATED workers with a known optimum (lemon.testbed). Resumable: a finished run is skipped, an
-interrupted one continues from its checkpoint, held-out points already evaluated are kept.
+"""The testbed comparison (issue 13, deliverable 1): CF-GRPO vs global GRPO (lambda = 0) vs each single edit family,
+several seeds, the same budget, on SIMULATED workers with a known optimum (lemon.testbed). Resumable: a finished run is
+skipped, an interrupted one continues from its checkpoint, held-out points already evaluated are kept.
 
     .venv/bin/python experiments/testbed_run.py --world two --seeds 0 1 2 --steps 30 --out outputs/testbed/two
-    .venv/bin/python experiments/testbed_run.py --world tiny --profile smoke --sft ...   # format SFT into <out>/sft first
-    .venv/bin/python experiments/testbed_run.py --world tiny --plan      # the optimum per type and the run plan, no training
+    .venv/bin/python experiments/testbed_run.py --world tiny --profile smoke --sft ...   # format SFT into <out>/sft
+    .venv/bin/python experiments/testbed_run.py --world tiny --plan      # optimum per type, run plan; no training
     .venv/bin/python experiments/testbed_run.py --out outputs/testbed/two --report   # rebuild summary.md and plots only
 
-Prints one line per run (wall time) and, at the end, the summary table (final regret and steps to threshold with bootstrap
-CIs over seeds) and the path of summary.md. Timings on the 2-core machine depend on what else runs: say so when quoting them.
+Prints one line per run (wall time) and, at the end, the summary table (final regret and steps to threshold with
+bootstrap CIs over seeds) and the path of summary.md. Timings on the 2-core machine depend on what else runs: say so
+when quoting them.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _value(v: str):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", choices=WORLDS, default="two")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -48,8 +50,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=0.25, help="regret threshold for steps-to-threshold")
     ap.add_argument("--init-adapter", default=None, help="LoRA every run starts from (e.g. an SFT warm start)")
     ap.add_argument("--sft", action="store_true",
-                    help="build the testbed's format SFT warm start (lemon.testbed.warm) into <out>/sft, start every run from it")
-    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON", help="extra TrainConfig fields, e.g. num_generations=8")
+                    help="build the testbed's format SFT warm start (lemon.testbed.warm) into <out>/sft, start "
+                         "every run from it")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
+                    help="extra TrainConfig fields, e.g. num_generations=8")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--scoring", choices=SCORINGS, default="exact",
                     help="exact: each rollout rewarded with its exact expected reward; sampled: one simulated outcome")
@@ -66,10 +70,10 @@ def main(argv=None) -> int:
     if a.sft and a.init_adapter:
         ap.error("--sft builds the warm start itself: give --sft or --init-adapter, not both")
     init_adapter = str(root / "sft") if a.sft else a.init_adapter
-    exp = ExperimentConfig(world=a.world, arms=tuple(a.arms), seeds=tuple(a.seeds), profile=a.profile, max_steps=a.steps,
-                           train_questions=a.train_questions, heldout_questions=a.heldout, eval_every=a.eval_every,
-                           threshold=a.threshold, init_adapter=init_adapter, train_overrides=overrides,
-                           scoring=a.scoring, base=a.base)
+    exp = ExperimentConfig(world=a.world, arms=tuple(a.arms), seeds=tuple(a.seeds), profile=a.profile,
+                           max_steps=a.steps, train_questions=a.train_questions, heldout_questions=a.heldout,
+                           eval_every=a.eval_every, threshold=a.threshold, init_adapter=init_adapter,
+                           train_overrides=overrides, scoring=a.scoring, base=a.base)
     prompts, world = default_prompts(), make_world(a.world, default_prompts())
     if a.report and (root / "experiment.json").exists():  # re-score as the runs were scored (an older sim, too)
         world = world_of_record(json.loads((root / "experiment.json").read_text()), prompts)
@@ -77,26 +81,30 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     if not a.report:
         rec = write_experiment(root, exp, world, cfg0.reward, cfg0.max_agents, run_caps(cfg0), command)
-        print(f"[testbed] world {a.world}: {world.describe()['by_type']} examples; SIMULATED workers, {a.scoring} scoring; reward "
-              f"{cfg0.reward.form if hasattr(cfg0.reward, 'form') else ''} token_budget {cfg0.reward.token_budget}")
+        print(f"[testbed] world {a.world}: {world.describe()['by_type']} examples; SIMULATED workers, {a.scoring} "
+              f"scoring; reward {cfg0.reward.form if hasattr(cfg0.reward, 'form') else ''} token_budget "
+              f"{cfg0.reward.token_budget}")
         for o in rec["optimum"]:
             print(f"[testbed] optimum for '{o['type']}': expected reward {o['expected_reward']:.4f}, P(success) "
-                  f"{o['p_success']:.3f}, {o['tokens']} tokens, {o['agents']} agents ({o['searched']} structures searched)")
-        print(f"[testbed] {len(exp.arms)} arms x {len(exp.seeds)} seeds x {exp.max_steps} steps, policy {cfg0.policy.model}, "
-              f"G={cfg0.num_generations}, batch {cfg0.batch_size} -> {root}")
+                  f"{o['p_success']:.3f}, {o['tokens']} tokens, {o['agents']} agents ({o['searched']} "
+                  "structures searched)")
+        print(f"[testbed] {len(exp.arms)} arms x {len(exp.seeds)} seeds x {exp.max_steps} steps, policy "
+              f"{cfg0.policy.model}, G={cfg0.num_generations}, batch {cfg0.batch_size} -> {root}")
         if a.plan:
             print(rec["optimum"][-1]["spec"])
             return 0
         if a.sft:
             t0 = time.perf_counter()
             warm_start_adapter(exp, world, prompts, root / "sft")
-            print(f"[testbed] format SFT warm start: {root / 'sft'} ({time.perf_counter() - t0:.0f} s; reused if it was there)")
+            print(f"[testbed] format SFT warm start: {root / 'sft'} ({time.perf_counter() - t0:.0f} s; reused if "
+                  "it was there)")
         for arm in exp.arms:
             for seed in exp.seeds:
                 run_dir, t0 = root / arm / f"seed-{seed}", time.perf_counter()
                 res = run_arm(arm, seed, run_dir, world, exp, prompts)
                 cfg = train_config(arm, seed, exp, world)
-                n_eval = 0 if a.no_eval else evaluate_heldout(run_dir, world, exp, prompts, cfg, prune=a.prune_checkpoints)
+                n_eval = 0 if a.no_eval else evaluate_heldout(run_dir, world, exp, prompts, cfg,
+                                                              prune=a.prune_checkpoints)
                 print(f"[testbed] {arm} seed {seed}: {res['steps']} steps, {n_eval} held-out rows, "
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
     md = write_report(root, exp, world)

@@ -56,7 +56,8 @@ def cmd_eval(args) -> int:
 def cmd_run(args) -> int:
     bench = B.get_benchmark(args.benchmark)
     prompts = load_prompts(args.prompts)
-    ex = Example(id="cli/0", benchmark=args.benchmark, split="cli", question=args.question, gold=args.gold or "", meta={})
+    ex = Example(id="cli/0", benchmark=args.benchmark, split="cli", question=args.question, gold=args.gold or "",
+                 meta={})
     pool = _pool(args)
     try:
         if args.spec:
@@ -75,15 +76,16 @@ def cmd_run(args) -> int:
     finally:
         pool.close()
     for a in tr.agents:
-        print(f"--- {a.id} [{a.capacity} = {a.model}] {a.prompt_tokens}+{a.completion_tokens} tokens, {a.latency_s:.1f}s"
-              f"{' (cache)' if a.cache_hit else ''}{' (skipped)' if a.skipped else ''}\n{a.output}")
+        print(f"--- {a.id} [{a.capacity} = {a.model}] {a.prompt_tokens}+{a.completion_tokens} tokens, "
+              f"{a.latency_s:.1f}s{' (cache)' if a.cache_hit else ''}{' (skipped)' if a.skipped else ''}\n{a.output}")
     print(f"=== answer: {tr.answer!r}  tokens: {tr.tokens}" + (f"  score vs --gold: {tr.score}" if args.gold else "")
           + (f"  error: {tr.error}" if tr.error else ""))
     return 0
 
 
 def cmd_train(args) -> int:
-    # --set FIELD=VALUE is a TrainConfig field; sft.FIELD reaches the warm start (the same profiles and syntax as main.sh)
+    # --set FIELD=VALUE is a TrainConfig field; sft.FIELD reaches the warm start (the same profiles and syntax as
+    # main.sh)
     sets = {(k if k.startswith(("train.", "sft.")) else f"train.{k}"): v for k, v in parse_sets(args.set).items()}
     if args.cf_lambda is not None:
         sets["train.cf_lambda"] = args.cf_lambda

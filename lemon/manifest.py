@@ -1,5 +1,5 @@
-"""Run manifests: everything needed to say what produced a number (git sha, config, data and model digests, prompts hash,
-seeds, package versions). Written as `manifest.json` next to every results file."""
+"""Run manifests: everything needed to say what produced a number (git sha, config, data and model digests, prompts
+hash, seeds, package versions). Written as `manifest.json` next to every results file."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,8 @@ def git_sha(repo: Path | None = None) -> str:
     """HEAD's sha, with '+dirty' when the work tree has uncommitted changes to tracked files; 'unknown' outside git."""
     cwd = repo or Path(__file__).resolve().parents[1]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -43,15 +44,16 @@ def versions() -> dict[str, str]:
     return out
 
 
-def build_manifest(config: dict, *, prompts_sha256: str, workers: dict, data_files: list[Path] = (), seeds: dict | None = None,
-                   extra: dict | None = None) -> dict:
+def build_manifest(config: dict, *, prompts_sha256: str, workers: dict, data_files: list[Path] = (),
+                   seeds: dict | None = None, extra: dict | None = None) -> dict:
     """A JSON-able record of one run. Shipped models are named with the sha256 recorded in lemon.run.models. Paths are
     written without the machine's prefix (lemon.report.portable: repo-relative, `../`, `~/`), except in `config`, which
     stays exactly what the run compares on resume."""
     models = {}
     for cap, w in workers.items():
         name = w.get("model", "")
-        models[cap] = {**w, **({"sha256": SHIPPED[name].sha256, "hf_id": SHIPPED[name].hf_id} if name in SHIPPED else {})}
+        models[cap] = {**w, **({"sha256": SHIPPED[name].sha256, "hf_id": SHIPPED[name].hf_id}
+                               if name in SHIPPED else {})}
     record = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_sha(),

@@ -1,8 +1,9 @@
 """Progress bars that stay visible when notebooks run headless.
 
 Inside a Jupyter kernel `tqdm.auto` draws an ipywidget; under papermill that widget never reaches the console, so a
-two-hour study would look frozen. `lemon.study.runner.run_study` sets LEMON_TEXT_PROGRESS=1 for its kernels, and then every bar is
-a plain text bar on stderr (papermill streams the kernel's stderr to the console), refreshed at most every 10 s.
+two-hour study would look frozen. `lemon.study.runner.run_study` sets LEMON_TEXT_PROGRESS=1 for its kernels, and then
+every bar is a plain text bar on stderr (papermill streams the kernel's stderr to the console), refreshed at most every
+10 s.
 """
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def load_prompts(path: str | Path | None = None) -> Prompts:
         if key not in data:
             raise ValueError(f"prompts file {p} lacks the top-level key {key!r}")
     if tuple(data["capacities"]) != CAPACITIES:
-        raise ValueError(f"prompts file {p}: capacities must be {CAPACITIES} in that order, got {tuple(data['capacities'])}")
+        raise ValueError(f"prompts file {p}: capacities must be {CAPACITIES} in that order, got "
+                         f"{tuple(data['capacities'])}")
     seen: dict[str, str] = {}
     for dom, roles in data["base_roles"].items():
         for name in roles:

@@ -1,5 +1,5 @@
-"""A tiny randomly initialised Qwen2 model with a character-level tokenizer built in code (no files to download or carry):
-for tests of the policy / adapter plumbing on CPU and of the Unsloth path on a GPU machine."""
+"""A tiny randomly initialised Qwen2 model with a character-level tokenizer built in code (no files to download or
+carry): for tests of the policy / adapter plumbing on CPU and of the Unsloth path on a GPU machine."""
 
 
 def tiny_model(path):

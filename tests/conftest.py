@@ -1,8 +1,8 @@
 """Test-time budget of README's suite (issue 28), enforced so the suite cannot creep back past CI's limit:
 
 - a test NOT marked `slow` that takes more than FAST_LIMIT_S (setup + call + teardown) fails, naming its time;
-- the `slow`-marked tests together may take SLOW_BUDGET_S: their sum is printed at the end of every run, and a run over it
-  exits non-zero. The same 26 slow tests took 528 s on an idle 2-core AVX2 AMD EPYC (fresh clone of 7bf40c0, LOG.md
+- the `slow`-marked tests together may take SLOW_BUDGET_S: their sum is printed at the end of every run, and a run over
+  it exits non-zero. The same 26 slow tests took 528 s on an idle 2-core AVX2 AMD EPYC (fresh clone of 7bf40c0, LOG.md
   session 22) and 774 s on CI's 2-core Intel Xeon (AVX-512/AMX, 2026-12-06: the notebook study 307 s vs 208 s), so the
   budget is 15 min: with the ~5 min of fast tests the suite stays under README's ~25-min goal on the slower machine.
 
@@ -40,8 +40,9 @@ def pytest_runtest_makereport(item, call):
     # judge at the last phase that ran without failing already (call, or teardown for the setup+call+teardown sum)
     if rep.when in ("call", "teardown") and rep.passed and total > FAST_LIMIT_S and not item.stash.get(_FLAGGED, False):
         item.stash[_FLAGGED] = True
-        msg = (f"{item.nodeid} took {total:.0f} s (> {FAST_LIMIT_S:.0f} s) without the `slow` marker: make it faster, or "
-               f"mark it slow if it is worth a share of the {SLOW_BUDGET_S / 60:.0f}-minute slow budget (tests/conftest.py)")
+        msg = (f"{item.nodeid} took {total:.0f} s (> {FAST_LIMIT_S:.0f} s) without the `slow` marker: make "
+               f"it faster, or mark it slow if it is worth a share of the {SLOW_BUDGET_S / 60:.0f}-minute slow budget "
+               "(tests/conftest.py)")
         if ENFORCE:
             rep.outcome, rep.longrepr = "failed", msg
         else:

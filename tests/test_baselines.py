@@ -1,4 +1,5 @@
-"""Baselines: valid specs with the expected shapes for every domain, and run_baseline (incl. the SC-CoT vote) on a fake pool."""
+"""Baselines: valid specs with the expected shapes for every domain, and run_baseline (incl. the SC-CoT vote) on a fake
+pool."""
 import itertools
 
 import pytest

@@ -1,5 +1,6 @@
-"""bench/table.py on hand-written run folders (no model): the cells it prints, the plot it writes, and its refusal to put
-cells side by side when their prompts / weights / question sample differ (cells are filled over sessions, resumably)."""
+"""bench/table.py on hand-written run folders (no model): the cells it prints, the plot it writes, and its refusal to
+put cells side by side when their prompts / weights / question sample differ (cells are filled over sessions,
+resumably)."""
 import json
 import subprocess
 import sys
@@ -16,7 +17,8 @@ def _cell(root: Path, name: str, correct: list[bool], tokens: int, prompts: str 
     (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "manifest.json").write_text(json.dumps({
         "git": "0123456789abcdef+dirty", "prompts_sha256": prompts,
-        "workers": {"small": {"model": "smollm2-135m", "sha256": "a"}, "large": {"model": "qwen2.5-coder-1.5b", "sha256": "b"}},
+        "workers": {"small": {"model": "smollm2-135m", "sha256": "a"},
+                    "large": {"model": "qwen2.5-coder-1.5b", "sha256": "b"}},
         "config": {"eval": {"seed": 0}, "example_ids_sha256": ids}}))
 
 
@@ -39,7 +41,8 @@ def test_table_cells_order_and_plot(tmp_path):
     assert lines[3] == "| sc-cot | - | 0.50 [0.15-0.85], 900 tok, n=4 |"
     assert lines[4] == "| chain | - | 1.00 [0.21-1.00], 1600 tok, n=1 |"
     assert "same 4 cells" in r.stdout and "0123456+dirty (large-chain, large-cot, large-sc-cot, small-cot)" in r.stdout
-    # paired against CoT on the shared question ids: sc-cot right on 2, 3 where CoT was wrong, wrong on 0, 1 where it was right
+    # paired against CoT on the shared question ids: sc-cot right on 2, 3 where CoT was wrong, wrong on 0, 1 where it
+    # was right
     assert "sc-cot/large: +2 -2 of 4; chain/large: +0 -0 of 1" in r.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000
 

@@ -376,7 +376,8 @@ import json
 from lemon import benchmarks as B
 from lemon.train.config import train_preset
 ex = B.load("toyarith", "test")
-print(json.dumps({"file": B.__file__, "listed": "toyarith" in B.BENCHMARKS, "domain": B.get_benchmark("toyarith").domain,
+print(json.dumps({"file": B.__file__, "listed": "toyarith" in B.BENCHMARKS,
+                  "domain": B.get_benchmark("toyarith").domain,
                   "ids": [e.id for e in ex], "score": [B.score(e, "so... Answer: " + e.gold) for e in ex],
                   "wrong": B.score(ex[0], "Answer: 999"), "train": [e.id for e in B.pool("toyarith", "train")],
                   "eval": len(B.pool("toyarith", "eval")), "pool_splits": B.POOL_SPLITS["train"]["toyarith"],
@@ -386,7 +387,8 @@ print(json.dumps({"file": B.__file__, "listed": "toyarith" in B.BENCHMARKS, "dom
 
 def test_a_new_benchmark_is_one_record(tmp_path):
     """Issue 31: a copy of the package with ONE record (and its row converter) appended to records.py, and data at
-    <data dir>/toyarith/<split>.jsonl, is all it takes: loading, scoring, both pools, the train config know the benchmark."""
+    <data dir>/toyarith/<split>.jsonl, is all it takes: loading, scoring, both pools, the train config know the
+    benchmark."""
     import shutil
     import subprocess
     import sys

@@ -3,8 +3,6 @@ test of a few tenths of a second trips them: a fast test over its limit fails, a
 whose slow tests exceed their budget exits non-zero."""
 from pathlib import Path
 
-import pytest
-
 pytest_plugins = ["pytester"]
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
 

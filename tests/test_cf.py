@@ -1,13 +1,14 @@
-"""The step's (B, T) advantages (lemon.train.cf.step_advantages) against a slow per-token reference, and the properties the
-issue asks for: global and CF terms in the same units, a CF weight per token that does not depend on the span's length,
-errored rollouts excluded, lambda = 0 = plain GRPO."""
+"""The step's (B, T) advantages (lemon.train.cf.step_advantages) against a slow per-token reference, and the properties
+the issue asks for: global and CF terms in the same units, a CF weight per token that does not depend on the span's
+length, errored rollouts excluded, lambda = 0 = plain GRPO."""
 import random
 import statistics
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from lemon.train.cf import cf_advantages, group_advantages, note_forced, rollout_advantages, step_advantages  # noqa: E402
+from lemon.train.cf import (cf_advantages, group_advantages, note_forced, rollout_advantages,  # noqa: E402
+                            step_advantages)
 
 
 def _reference(rewards, groups, deltas, cmask, smask, lam, scale, floor):
@@ -59,8 +60,8 @@ def test_step_advantages_match_per_token_loop():
 
 
 def test_rollout_advantages_from_records_match_the_loop_with_forced_tokens_zeroed():
-    """The trainer's one call (records -> (B, T) advantages): S_i from span_positions, forced positions from the samples via
-    note_forced and zeroed, positions past T ignored; checked against the per-token loop, then masked by hand."""
+    """The trainer's one call (records -> (B, T) advantages): S_i from span_positions, forced positions from the samples
+    via note_forced and zeroed, positions past T ignored; checked against the per-token loop, then masked by hand."""
     from types import SimpleNamespace as NS
     rng = random.Random(1)
     for _ in range(100):

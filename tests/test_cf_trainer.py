@@ -1,13 +1,13 @@
 """The counterfactual term inside the REAL trainer (issue 28 C): lemon.train.grpo's CF-GRPO trainer class, TRL's own
 generation/scoring path, TRL's loss, backward and one AdamW step, on a tiny random Qwen2 with LoRA (tests/_tiny.py).
 
-A group of two rollouts with EQUAL rewards (no global GRPO signal) where rollout 0 carries a counterfactual contrast on a
-known span of its completion tokens. What must hold (DESIGN.md, "Counterfactual GRPO, concretely": "with A_i = 0 the gradient
-is non-zero only on S_i"):
+A group of two rollouts with EQUAL rewards (no global GRPO signal) where rollout 0 carries a counterfactual contrast on
+a known span of its completion tokens. What must hold (DESIGN.md, "Counterfactual GRPO, concretely": "with A_i = 0 the
+gradient is non-zero only on S_i"):
 - cf_lambda = 1: the LoRA gradient the trainer steps with equals the gradient of an obvious reference loss that sums
-  -A_t log p(y_t | prompt, y_<t) over the SPAN tokens only, one forward per token (A_t = lambda * delta / max(std, floor),
-  divided by TRL's token count); it differs from the same reference summed over the whole completion, so a trainer that
-  spread the contrast over every token (span mask ignored) fails; the LoRA weights move.
+  -A_t log p(y_t | prompt, y_<t) over the SPAN tokens only, one forward per token (A_t = lambda * delta / max(std,
+  floor), divided by TRL's token count); it differs from the same reference summed over the whole completion, so a
+  trainer that spread the contrast over every token (span mask ignored) fails; the LoRA weights move.
 - cf_lambda = 0 (the same batch): every LoRA gradient is exactly zero and no LoRA weight changes.
 The rollout function is a stand-in (fixed token ids and scored records; no sampling, no workers): everything after it is
 the code `lemon train` runs."""
@@ -39,13 +39,16 @@ DELTA, FLOOR, REWARD = 1.0, 0.1, 0.5
 
 
 class _Rollouts:
-    """What lemon.train.episodes.SpecRollouts gives the trainer (TRL's rollout_func + the scored records of the step)."""
+    """What lemon.train.episodes.SpecRollouts gives the trainer (TRL's rollout_func + the scored records of the
+    step)."""
 
     def __init__(self, tok, lam: float, forced: tuple = ()):
         self.mask_forced = bool(forced)
-        self.tok, self.cf_lambda, self.scale_rewards, self.std_floor, self.curriculum_ids = tok, lam, "batch", FLOOR, None
+        self.tok, self.cf_lambda, self.scale_rewards = tok, lam, "batch"
+        self.std_floor, self.curriculum_ids = FLOOR, None
         self.scorer = SimpleNamespace(reward_cfg=RewardConfig(), sampler=FamilySampler(), cache=NodeCache())
-        br = RewardBreakdown(total=REWARD, success=1.0, token_efficiency=0.5, graph_cost=0.0, valid=True, worker_tokens=10)
+        br = RewardBreakdown(total=REWARD, success=1.0, token_efficiency=0.5, graph_cost=0.0, valid=True,
+                             worker_tokens=10)
         self.batch = [Rollout("q", "spec", tuple(c), 0, True, None, br, agents=2, edges=1) for c in COMPLETIONS]
         self.batch[0].family, self.batch[0].delta, self.batch[0].cf_status = "capacity", DELTA, "ok"
         self.batch[0].span_positions = SPAN
@@ -72,8 +75,8 @@ def _policy(path):
     from lemon.policy.model import PolicyConfig, load_policy
     # fp32 explicitly: 'auto' loads bf16 wherever CUDA exists, and this test's trainer runs on the CPU (use_cpu=True)
     # against an fp32 reference (on the H200 machine 'auto' gave a 5e-4 gradient mismatch, 2026-12-04)
-    model, tok = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=4, lora_alpha=8, dtype="fp32"),
-                             seed=0)
+    model, tok = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=4, lora_alpha=8,
+                                          dtype="fp32"), seed=0)
     with torch.no_grad():  # LoRA B starts at 0 (so A would get no gradient): give every adapter weight a value
         g = torch.Generator().manual_seed(1)
         for p in _lora(model).values():
@@ -83,8 +86,9 @@ def _policy(path):
 
 def _reference_grads(model, prompt_ids, positions_of, max_grad_norm):
     """The gradient TRL's dapo loss should produce, the slow obvious way: -(1/N) sum_i sum_{t in positions_of(i)}
-    A_t log p(y_t | prompt, y_<t), one forward per token on the unpadded sequence; N = all completion tokens of the batch;
-    A_t = lambda * delta / max(std of the equal rewards = 0, floor); clipped to max_grad_norm as the Trainer does."""
+    A_t log p(y_t | prompt, y_<t), one forward per token on the unpadded sequence; N = all completion tokens of the
+    batch; A_t = lambda * delta / max(std of the equal rewards = 0, floor); clipped to max_grad_norm as the Trainer
+    does."""
     params = _lora(model)
     n_tokens = sum(len(c) for c in COMPLETIONS)
     adv = 1.0 * DELTA / max(0.0, FLOOR)
@@ -102,7 +106,8 @@ def _reference_grads(model, prompt_ids, positions_of, max_grad_norm):
 
 def _train_one_step(tmp_path, lam: float, compact: bool = False, forced: tuple = ()):
     """Build the real CF-GRPO trainer (lemon.train.grpo.trainer_class, reward_functions) on the tiny policy and run
-    Trainer.train for one step; returns (model before the step's LoRA weights, gradients at the optimizer step, after)."""
+    Trainer.train for one step; returns (model before the step's LoRA weights, gradients at the optimizer step,
+    after)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig
@@ -123,7 +128,8 @@ def _train_one_step(tmp_path, lam: float, compact: bool = False, forced: tuple =
 
     class Grab(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kw):  # after backward and clipping, before AdamW
-            grads.update({n: None if p.grad is None else p.grad.detach().clone() for n, p in _lora(trainer.model).items()})
+            grads.update({n: None if p.grad is None else p.grad.detach().clone()
+                          for n, p in _lora(trainer.model).items()})
     trainer.add_callback(Grab())
     from lemon.train.grpo import completion_only_lm_head
     if compact:  # what lemon.train.pipeline does: only the completion's positions go through the LM head
@@ -189,8 +195,8 @@ def test_completion_only_lm_head_is_scoped_and_cpu_only():
 
 
 def test_grammar_forced_tokens_carry_no_advantage(tmp_path):
-    """Rollout 0's span has two positions the grammar forced (one allowed token): with the trainer's forced-token mask on,
-    the step's gradient is the reference over the span's OTHER positions only (lemon.train.cf.forced_mask)."""
+    """Rollout 0's span has two positions the grammar forced (one allowed token): with the trainer's forced-token mask
+    on, the step's gradient is the reference over the span's OTHER positions only (lemon.train.cf.forced_mask)."""
     tiny_model(tmp_path / "tiny")
     forced = (3, 4)
     trainer, rollouts, before, grads, _ = _train_one_step(tmp_path, 1.0, forced=forced)

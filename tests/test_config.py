@@ -1,6 +1,7 @@
-"""Presets are sized from measured tokens (issue 11 defect 8): the constants in lemon.train.config are re-measured here with
-the real Qwen2.5 tokenizer (the 7B/14B/32B workers of the paper profile share it), and every preset can hold its largest
-spec, keeps token efficiency informative for multi-agent specs and normalises graph cost by its own max_agents."""
+"""Presets are sized from measured tokens (issue 11 defect 8): the constants in lemon.train.config are re-measured here
+with the real Qwen2.5 tokenizer (the 7B/14B/32B workers of the paper profile share it), and every preset can hold its
+largest spec, keeps token efficiency informative for multi-agent specs and normalises graph cost by its own
+max_agents."""
 import pytest
 
 from lemon import benchmarks as B
@@ -36,7 +37,8 @@ def test_spec_token_constants_hold_the_longest_spec(qwen):
         parse_spec(text)
         tokens = len(qwen(text)["input_ids"])
         assert tokens <= C.SPEC_TOKENS_FIXED + n * C.SPEC_TOKENS_PER_AGENT, (n, tokens)
-    per_agent = (len(qwen(_longest_spec(8).to_yaml())["input_ids"]) - len(qwen(_longest_spec(1).to_yaml())["input_ids"])) / 7
+    per_agent = (len(qwen(_longest_spec(8).to_yaml())["input_ids"])
+                 - len(qwen(_longest_spec(1).to_yaml())["input_ids"])) / 7
     assert per_agent > 0.6 * C.SPEC_TOKENS_PER_AGENT  # the constant is not wildly oversized either
 
 
@@ -44,7 +46,8 @@ def test_worker_prompt_constant_covers_a_long_question(qwen):
     gsm = B.pool("gsm8k", "train")
     q = max(gsm, key=lambda e: len(e.question))  # the longest GSM8K train question
     spec = _longest_spec(1)
-    msgs = build_messages(spec.agents[0], [], q.question, P, answer_convention=B.get_benchmark("gsm8k").answer_convention)
+    msgs = build_messages(spec.agents[0], [], q.question, P,
+                          answer_convention=B.get_benchmark("gsm8k").answer_convention)
     n = len(qwen.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     assert n > 150  # a real count, not the length of a dict
     assert n <= C.WORKER_PROMPT_TOKENS, n
@@ -116,7 +119,8 @@ def test_paper_workers_are_written_once_in_the_yaml():
 
 def test_lemon_train_workers_flag_reaches_the_config(tmp_path, monkeypatch, capsys):
     """`lemon train --workers FILE`: the file's entries (timeout_s, max_concurrency, ...) reach the warm start's and the
-    trainer's config and the pool build_pool makes from it; its max_tokens do not resize the profile (a note says so)."""
+    trainer's config and the pool build_pool makes from it; its max_tokens do not resize the profile (a note says
+    so)."""
     import yaml
     import lemon.train.pipeline as pipeline
     from lemon.cli import main
@@ -128,7 +132,8 @@ def test_lemon_train_workers_flag_reaches_the_config(tmp_path, monkeypatch, caps
     monkeypatch.setattr(pipeline, "warm_start", lambda cfg, *a, **k: seen.append(cfg) or {
         "rows": 0, "valid_before": {"rate": 0.0}, "valid_after": {"rate": 0.0, "n": 0}, "adapter": "sft"})
     monkeypatch.setattr(pipeline, "train", lambda cfg, *a, **k: seen.append(cfg) or {"history": [], "adapter": "a"})
-    assert main(["train", "--profile", "smoke", "--out", str(tmp_path / "run"), "--workers", str(tmp_path / "w.yaml")]) == 0
+    assert main(["train", "--profile", "smoke", "--out", str(tmp_path / "run"), "--workers",
+                 str(tmp_path / "w.yaml")]) == 0
     assert len(seen) == 2 and all(c.workers == {c_: entry for c_ in ("small", "medium", "large")} for c in seen)
     assert seen[1].worker_max_tokens == C.train_preset("smoke").worker_max_tokens
     assert "note" in capsys.readouterr().err
@@ -151,7 +156,8 @@ def test_deterministic_workers_reach_the_pool(monkeypatch):
     assert not train_preset("paper").deterministic_workers  # vLLM workers: batch invariance is the server's setting
     seen = {}
     monkeypatch.setattr(WorkerPool, "from_config", classmethod(lambda cls, c, **kw: seen.setdefault("cfg", c)))
-    monkeypatch.setattr(WorkerPool, "embedded_default", classmethod(lambda cls, **kw: seen.setdefault("server", kw["server"])))
+    monkeypatch.setattr(WorkerPool, "embedded_default",
+                        classmethod(lambda cls, **kw: seen.setdefault("server", kw["server"])))
     build_pool(train_preset("smoke"))
     assert all(seen["cfg"][c]["deterministic"] is True for c in ("small", "medium", "large"))
     assert build_pool(train_preset("cpu")).deterministic is True

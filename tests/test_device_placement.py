@@ -1,7 +1,7 @@
 """Issue 29, finding 1: on CUDA, TRL's completion_mask lives on the GPU while the rewards-side arithmetic of
-lemon.train.cf.step_advantages ran on CPU tensors, so every CUDA run failed at its first step with "Expected all tensors to
-be on the same device". The meta device stands in for CUDA here: any op mixing a CPU (B,) / (B, T) tensor with a meta one
-raises the same error, so these tests fail on the old code without a GPU. tests/test_gpu.py and scripts/gpu_check.sh
+lemon.train.cf.step_advantages ran on CPU tensors, so every CUDA run failed at its first step with "Expected all tensors
+to be on the same device". The meta device stands in for CUDA here: any op mixing a CPU (B,) / (B, T) tensor with a meta
+one raises the same error, so these tests fail on the old code without a GPU. tests/test_gpu.py and scripts/gpu_check.sh
 check the same path on a real GPU."""
 from types import SimpleNamespace
 
@@ -16,7 +16,8 @@ def test_step_advantages_follow_the_mask_device():
     smask = torch.zeros(4, 6)  # (B, T) built by the trainer; it may be on either device
     adv, keep, s = step_advantages([1.0, 0.0, None, 0.5], [0, 0, 1, 1], [0.3, 0.0, 0.0, 0.0], cmask, smask, lam=1.0)
     assert adv.device.type == "meta" and adv.shape == (4, 6) and keep.device.type == "meta"
-    assert isinstance(s, float) and s > 0  # the logged scale is computed on the CPU side, never read back from the device
+    # the logged scale is computed on the CPU side, never read back from the device
+    assert isinstance(s, float) and s > 0
     (cmask * keep[:, None].to(cmask.dtype))  # the mixin's masking of errored rollouts: same device, no error
 
 

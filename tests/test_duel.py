@@ -1,6 +1,7 @@
-"""The real-worker CF vs global comparison's chain of legs (experiments.duel.legs), fast, on fakes: which specs a policy writes
-and where, resumption, replaying recorded specs through the eval runner (no adapter), the report of a partial record
-(what is missing is listed with its command). The real legs are the measurement itself (outputs/reference/duel-*)."""
+"""The real-worker CF vs global comparison's chain of legs (experiments.duel.legs), fast, on fakes: which specs a policy
+writes and where, resumption, replaying recorded specs through the eval runner (no adapter), the report of a partial
+record (what is missing is listed with its command). The real legs are the measurement itself
+(outputs/reference/duel-*)."""
 import json
 from pathlib import Path
 
@@ -103,21 +104,26 @@ def test_replayed_specs_execute_without_an_adapter_and_report_lists_what_is_miss
     duel.run_method(d, "cf", prompts, pool, progress=False)  # resumed: no worker call
     assert len(backend.calls) == n_calls
     duel.run_method(d, "sft", prompts, pool, progress=False)
-    duel.run_method(d, "cot@large", prompts, pool, progress=False, concurrency=2)  # 2 questions in flight: still one row per question
+    # 2 questions in flight: still one row per question
+    duel.run_method(d, "cot@large", prompts, pool, progress=False, concurrency=2)
     assert len(read_rows(duel.eval_dir(d, "cot@large", "svamp") / "results.jsonl")) == 2
-    duel.run_method(d, "best-fixed", prompts, pool, progress=False)  # chosen on TRAIN-pool questions, kept in ref/select
+    # chosen on TRAIN-pool questions, kept in ref/select
+    duel.run_method(d, "best-fixed", prompts, pool, progress=False)
     choice = json.loads((d.refdir / "select" / "choice.json").read_text())
-    assert choice["chosen"] in d.study().fixed_candidates and all("/train/" in i for v in choice["dev_ids"].values() for i in v)
+    assert (choice["chosen"] in d.study().fixed_candidates
+            and all("/train/" in i for v in choice["dev_ids"].values() for i in v))
     chosen = choice["chosen"]  # best-fixed's eval rows are the chosen method's own, executed once
     assert len(read_rows(duel.eval_dir(d, chosen, "gsm8k") / "results.jsonl")) == 2
     assert not (d.refdir / "eval" / "best-fixed").exists()
     assert not list(d.refdir.rglob("node_cache.jsonl"))
     miss = missing(d)
-    assert any(m.startswith("arm cf: not trained") for m in miss) and any("global step 4: 0/6 eval specs" in m for m in miss)
+    assert (any(m.startswith("arm cf: not trained") for m in miss)
+            and any("global step 4: 0/6 eval specs" in m for m in miss))
     assert any(m.startswith("global: 0/6 eval questions") for m in miss) and not any(m.startswith("cf: ") for m in miss)
     f = duel.spec_file(d, "sft", 0, "dev")
     rows = read_rows(f)
-    f.write_text("".join(json.dumps({**r, "adapter_sha256": "f" * 64} if i == 0 else r) + "\n" for i, r in enumerate(rows)))
+    f.write_text("".join(json.dumps({**r, "adapter_sha256": "f" * 64} if i == 0 else r) + "\n"
+                         for i, r in enumerate(rows)))
     assert any("sft step 0 dev specs come from 2 different adapters" in m for m in missing(d))
     out = report(d, prompts)
     text = out.read_text()
@@ -164,7 +170,8 @@ def test_warm_start_rebuilt_from_a_committed_corpus_is_the_same_adapter(tmp_path
                                                     lora_alpha=8), max_completion_length=24, constrained=False)
     sft = replace(sft_preset("smoke"), probe_questions=1, epochs=1.0)
     corpus = [{"prompt": [{"role": "user", "content": f"question {i}"}],
-               "completion": [{"role": "assistant", "content": SPEC}], "example_id": f"gsm8k/train/{i}"} for i in range(2)]
+               "completion": [{"role": "assistant", "content": SPEC}], "example_id": f"gsm8k/train/{i}"}
+               for i in range(2)]
     shas = []
     for run in ("a", "b"):
         rec = warm_start(cfg, sft, tmp_path / run, default_prompts(), corpus=corpus, progress=False)

@@ -1,5 +1,6 @@
-"""Counterfactual edits: one field changes, spans point into the original text, no-op sites are never eligible, and (fuzzed)
-every edit of every spec the parser accepts, in every YAML style it accepts, gives a valid spec with exactly that change."""
+"""Counterfactual edits: one field changes, spans point into the original text, no-op sites are never eligible, and
+(fuzzed) every edit of every spec the parser accepts, in every YAML style it accepts, gives a valid spec with exactly
+that change."""
 import dataclasses
 import json
 import random
@@ -44,8 +45,9 @@ agents:
     depends_on: [plan, solve]
 final: check
 ```"""
-FLOW = ('{"agents": [{"id": "a", "base_role": "solver", "role": "A", "duty": "Do A.", "capacity": "large", "depends_on": []},'
-        ' {"id": "b", "base_role": "decider", "role": "B", "duty": "Do B.", "capacity": "medium", "depends_on": ["a"]}]}')
+FLOW = ('{"agents": [{"id": "a", "base_role": "solver", "role": "A", "duty": "Do A.", "capacity": "large", '
+        '"depends_on": []}, {"id": "b", "base_role": "decider", "role": "B", "duty": "Do B.", "capacity": "medium", '
+        '"depends_on": ["a"]}]}')
 # PyYAML's default dump: `depends_on:` then `- a` at the key's own indentation (an indentless list); issue 11, defect 1
 INDENTLESS = """agents:
 - base_role: planner
@@ -137,8 +139,8 @@ def test_role_edit_of_block_scalar_and_quoted_capacity_stay_valid():
 
 
 # ---- the fuzz test -------------------------------------------------------------------------------------------------
-PIECES = ["plan", "the", "steps", "Compute", "x", "42", "3.5", ": ", " #", "#", "'", '"', "é", "漢字", "😀", "- ", "? ", "[a]",
-          "{b}", "&c", "*d", "!e", "%", "@", "`", "|", ">", "\\", ",", "yes", "null", "~", "\t", "—", "\u00a0"]
+PIECES = ["plan", "the", "steps", "Compute", "x", "42", "3.5", ": ", " #", "#", "'", '"', "é", "漢字", "😀", "- ", "? ",
+          "[a]", "{b}", "&c", "*d", "!e", "%", "@", "`", "|", ">", "\\", ",", "yes", "null", "~", "\t", "—", "\u00a0"]
 STARTS = ["", "- ", "-5 ", "? ", "# ", "'", '"', "[", "{", "&", "*", "!", "|", ">", "@", "%", "`", "yes", "null ", "0x"]
 IDS = ["on", "no", "null", "true", "y", "n", "a-b", "x_1", "Off"]
 
@@ -180,7 +182,8 @@ def _ok_plain(v: str, ctx: str) -> bool:
 
 
 def _scalar(v: str, rng, ctx: str, indent: str, block: bool = False) -> str:
-    """A random way of writing `v` that YAML reads back as `v` in context `ctx` (block / flow); `block` allows | and >."""
+    """A random way of writing `v` that YAML reads back as `v` in context `ctx` (block / flow); `block` allows | and
+    >."""
     kinds = ["double", "json_ascii"] + ["single"] * ("\n" not in v) + ["plain"] * _ok_plain(v, ctx) * 2
     lines = v.split("\n")
     if block and ctx == "block" and all(ln and ln == ln.strip() for ln in lines):
@@ -200,7 +203,8 @@ def _scalar(v: str, rng, ctx: str, indent: str, block: bool = False) -> str:
 
 def hand_yaml(d: dict, rng) -> str:
     """Our own emitter: random quoting per value (and per key), block / indentless / flow (same or next line) dependency
-    lists, `[]`, null or omitted empty lists, flow-mapping agents, comments on lines and between fields, 2 or 4 spaces."""
+    lists, `[]`, null or omitted empty lists, flow-mapping agents, comments on lines and between fields, 2 or 4
+    spaces."""
     ind = rng.choice(["  ", "    "])
     out = ["# spec written by hand", "agents:"]
     com = lambda: rng.choice(["", "", "  # note: x", "   #c"])  # noqa: E731
@@ -352,7 +356,8 @@ def test_sample_edit_never_leaves_the_allowed_families():
 
 
 def test_double_quoted_reads_back_exactly():
-    for v in ["plain", 'say "hi": now #1', "tab\there", "line\u2028sep", "nel\x85", "bom\ufeff", "😀 漢字", "back\\slash"]:
+    for v in ["plain", 'say "hi": now #1', "tab\there", "line\u2028sep", "nel\x85", "bom\ufeff", "😀 漢字",
+              "back\\slash"]:
         assert yaml.safe_load(f"k: {double_quoted(v)}") == {"k": v}
         assert "\n" not in double_quoted(v)
 
@@ -409,14 +414,15 @@ from lemon.train.config import train_preset
 from lemon.train.edits import FamilySampler, apply_edit, sample_edit
 
 P = default_prompts()
-text = ("agents:\n  - id: a1\n    base_role: solver\n    role: \"Solver\"\n    duty: \"Compute it.\"\n    capacity: small\n"
-        "    depends_on: []\nfinal: a1\n")
+text = ("agents:\n  - id: a1\n    base_role: solver\n    role: \"Solver\"\n    duty: \"Compute it.\"\n"
+        "    capacity: small\n    depends_on: []\nfinal: a1\n")
 spec = parse_spec(text, base_roles=P.roles_for(None))
 e = sample_edit(spec, P, random.Random(0), families=("upgrade",))
 print(json.dumps({"edited": e.spec.agents[0].capacity, "span": text[e.span[0]:e.span[1]], "family": e.family,
                   "config": train_preset("smoke", cf_families=("upgrade",)).cf_families,
                   "sampler": sorted(FamilySampler().probs()), "label": FAMILY_LABEL["upgrade"],
-                  "arm": ARMS["upgrade"], "variant": VARIANTS["upgrade"], "describe": E.REGISTRY["upgrade"].describe(spec, ("a1",)),
+                  "arm": ARMS["upgrade"], "variant": VARIANTS["upgrade"],
+                  "describe": E.REGISTRY["upgrade"].describe(spec, ("a1",)),
                   "default_families": list(train_preset("smoke").cf_families)}))
 two = parse_spec(text.replace("final: a1", "  - id: a2\n    base_role: solver\n    role: \"Checker\"\n"
                               "    duty: \"Check.\"\n    capacity: large\n    depends_on: [a1]\nfinal: a2"),
@@ -439,9 +445,10 @@ print(json.dumps({"inspector": shown, "study_default": list(default),
 
 
 def test_a_new_edit_family_is_one_record():
-    """Issue 31: registering a toy family (raise a capacity one level) in edits.REGISTRY is all it takes for the trainer's
-    config, the edit sampler, the family sampler, plots, testbed arms, study variants and the inspector to know it. Run in
-    a fresh process: the record exists before the rest of lemon is imported, as if written in edits.py."""
+    """Issue 31: registering a toy family (raise a capacity one level) in edits.REGISTRY is all it takes for the
+    trainer's config, the edit sampler, the family sampler, plots, testbed arms, study variants and the inspector to
+    know it. Run in a fresh process: the record exists before the rest of lemon is imported, as if written in
+    edits.py."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", TOY_FAMILY], capture_output=True, text=True, timeout=300)

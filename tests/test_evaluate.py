@@ -1,5 +1,5 @@
-"""The eval runner and CLI: resumable after kill -9 (also with --concurrency), one config per run folder, clear errors for
-bad names, rows / tokens / cache / seeds independent of concurrency, a dead backend never scored."""
+"""The eval runner and CLI: resumable after kill -9 (also with --concurrency), one config per run folder, clear errors
+for bad names, rows / tokens / cache / seeds independent of concurrency, a dead backend never scored."""
 import hashlib
 import json
 import os
@@ -68,7 +68,8 @@ def test_spec_file_and_orchestrator_methods(tmp_path):
     P = default_prompts()
     spec = tmp_path / "s.yaml"
     spec.write_text("agents:\n  - {id: a, base_role: solver, role: S, duty: Solve it., capacity: small}\n")
-    s = run_eval(EvalConfig(method=str(spec), benchmark="gsm8k", limit=2), fake_pool(), P, tmp_path / "f", progress=False)
+    s = run_eval(EvalConfig(method=str(spec), benchmark="gsm8k", limit=2), fake_pool(), P, tmp_path / "f",
+                 progress=False)
     assert s["n"] == 2
     # the prompted orchestrator writing garbage: scored 0 with the spec error recorded, the loop goes on
     s = run_eval(EvalConfig(method="orchestrator", benchmark="gsm8k", limit=2), fake_pool("no spec here"), P,
@@ -81,7 +82,8 @@ def test_random_rows_keep_the_dag_each_question_ran(tmp_path):
     """Random draws one seeded DAG per question; the row keeps it (other baselines' specs are fixed by name)."""
     from lemon.eval.baselines import baseline_spec
     P = default_prompts()
-    run_eval(EvalConfig(method="random", benchmark="gsm8k", limit=4, n_agents=4), fake_pool(), P, tmp_path, progress=False)
+    run_eval(EvalConfig(method="random", benchmark="gsm8k", limit=4, n_agents=4), fake_pool(), P, tmp_path,
+             progress=False)
     rows = read_rows(tmp_path / "results.jsonl")
     assert len(rows) == 4 and all(r["spec"] for r in rows)
     for r in rows:
@@ -108,10 +110,11 @@ def test_concurrency_gives_the_same_rows_tokens_and_cache(tmp_path, method):
     runs = {}
     for k in (1, 4):
         f = FakeBackend(_echo, latency_s=0.01)
-        s = run_eval(cfg, WorkerPool({c: f for c in ("small", "medium", "large")}), P, tmp_path / f"k{k}", progress=False,
-                     concurrency=k)
+        s = run_eval(cfg, WorkerPool({c: f for c in ("small", "medium", "large")}), P, tmp_path / f"k{k}",
+                     progress=False, concurrency=k)
         cache = sorted((tmp_path / f"k{k}" / "node_cache.jsonl").read_text().splitlines())
-        runs[k] = (_rows_without_timing(tmp_path / f"k{k}" / "results.jsonl"), s["mean_worker_tokens"], cache, len(f.calls))
+        runs[k] = (_rows_without_timing(tmp_path / f"k{k}" / "results.jsonl"), s["mean_worker_tokens"], cache,
+                   len(f.calls))
     assert runs[1] == runs[4] and len(runs[1][0]) == 8
 
 
@@ -178,7 +181,8 @@ def _cli(*args, timeout=600, **kw):
 @pytest.mark.parametrize("args,needle", [
     (["eval", "--method", "cot", "--benchmark", "nope", "--out", "/tmp/x"], "gsm8k"),
     (["eval", "--method", "nope", "--benchmark", "gsm8k", "--out", "/tmp/x"], "vanilla"),
-    (["eval", "--method", "cot", "--benchmark", "gsm8k", "--capacity", "huge", "--out", "/tmp/x"], "small, medium, large"),
+    (["eval", "--method", "cot", "--benchmark", "gsm8k", "--capacity", "huge", "--out", "/tmp/x"],
+     "small, medium, large"),
 ])
 def test_cli_bad_input_exit_2(args, needle):
     r = _cli(*args)
@@ -193,8 +197,8 @@ def test_cli_kill_9_then_resume(tmp_path, concurrency):
     workers.write_text(yaml.safe_dump({c: {"backend": "fake", "model": "fake", "latency_s": 0.15}
                                        for c in ("small", "medium", "large")}))
     out = tmp_path / "run"
-    cmd = [PY, "-m", "lemon", "eval", "--method", "cot", "--benchmark", "svamp", "--limit", "12", "--workers", str(workers),
-           "--out", str(out), "--quiet", "--concurrency", concurrency]
+    cmd = [PY, "-m", "lemon", "eval", "--method", "cot", "--benchmark", "svamp", "--limit", "12", "--workers",
+           str(workers), "--out", str(out), "--quiet", "--concurrency", concurrency]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and len(read_rows(out / "results.jsonl")) < 3:
@@ -235,13 +239,15 @@ def test_cli_sigterm_stops_servers(tmp_path):
         time.sleep(0.2)
     assert not Path(f"/proc/{pid}").exists(), "llama-server outlived `lemon eval`"
     rows = read_rows(out / "results.jsonl")
-    assert 2 <= len(rows) < 30 and len({r["id"] for r in rows}) == len(rows)  # finished rows kept (resume: kill -9 test)
+    # finished rows kept (resume: kill -9 test)
+    assert 2 <= len(rows) < 30 and len({r["id"] for r in rows}) == len(rows)
 
 
 @pytest.mark.slow
 def test_cli_real_model_eval_and_run(tmp_path):
     workers = tmp_path / "w.yaml"
-    workers.write_text(yaml.safe_dump({**{c: {"backend": "llama_cpp", "model": "smollm2-135m"} for c in ("small", "medium", "large")},
+    workers.write_text(yaml.safe_dump({**{c: {"backend": "llama_cpp", "model": "smollm2-135m"}
+                                          for c in ("small", "medium", "large")},
                                        "max_tokens": {"small": 48, "medium": 48, "large": 48}}))
     r = _cli("eval", "--method", "cot", "--benchmark", "gsm8k", "--limit", "2", "--workers", str(workers),
              "--out", str(tmp_path / "e"), "--quiet")

@@ -74,7 +74,8 @@ def test_levels_order_context_and_answer():
 
 def test_messages_come_from_prompts_file():
     s = DIAMOND
-    msgs = build_messages(s.agent("fin"), [("b", "Role b", "x"), ("a", "Role a", "y")], "T?", P, answer_convention="CONV")
+    msgs = build_messages(s.agent("fin"), [("b", "Role b", "x"), ("a", "Role a", "y")], "T?", P,
+                          answer_convention="CONV")
     assert msgs[0]["content"] == P.worker["system"].format(role="Role fin", base_role="decider",
                                                            base_duty=P.default_duty("decider"))
     assert "Your duty: Do it." in msgs[1]["content"] and msgs[1]["content"].endswith("CONV")
@@ -129,7 +130,8 @@ def test_budget_cap_stops_run():
     assert [a.skipped for a in tr.agents] == [False, True, True]
     assert tr.agents[1].skip_reason == "budget" and len(fake.calls) == 1
     # the final agent ran but the total is over budget: still a failure (cost counts, not just the last call)
-    tr = execute(spec(A("fin", base="decider")), EX, GSM, pool_of(fake), prompts=P, caps=ExecutorCaps(task_token_budget=50))
+    tr = execute(spec(A("fin", base="decider")), EX, GSM, pool_of(fake), prompts=P,
+                 caps=ExecutorCaps(task_token_budget=50))
     assert tr.budget_exceeded and tr.score == 0.0 and not tr.agents[0].skipped
 
 
@@ -187,7 +189,7 @@ def test_caps_validation_and_too_many_agents():
     assert Trace.empty(error="invalid spec").to_dict()["error"] == "invalid spec"
 
 
-# ---- node cache --------------------------------------------------------------------------------------------------------
+# ---- node cache ------------------------------------------------------------------------------------------------------
 CHAIN = [A("a"), A("b", ["a"]), A("c", ["a", "b"]), A("fin", ["c"], base="decider")]
 
 
@@ -223,7 +225,8 @@ def test_cache_capacity_edit_reruns_only_that_agent_and_descendants():
     n, m = len(small.calls), len(large.calls)
     edited = spec(CHAIN[0], {**CHAIN[1], "capacity": "large"}, *CHAIN[2:])
     tr = execute(edited, EX, GSM, pool_of(small, large), prompts=P, cache=cache)
-    assert _ran(small, large, n, m) == ["b", "c", "fin"] and [a.cache_hit for a in tr.agents] == [True, False, False, False]
+    assert (_ran(small, large, n, m) == ["b", "c", "fin"]
+            and [a.cache_hit for a in tr.agents] == [True, False, False, False])
     # keys are content-addressed: if the re-run agent writes the same text as before, its descendants still hit
     s2, l2, cache = FakeBackend(echo, model="s"), FakeBackend(echo, model="l"), NodeCache()
     execute(base, EX, GSM, pool_of(s2, l2), prompts=P, cache=cache)
@@ -264,7 +267,8 @@ def test_real_model_cot_and_chain_end_to_end():
     from lemon.eval.baselines import baseline_spec
     from lemon.benchmarks import load
     caps = ("small", "medium", "large")  # one managed llama-server shared by all capacities (identical entries)
-    pool = WorkerPool.from_config({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2, "ctx_per_slot": 2048}
+    pool = WorkerPool.from_config({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2,
+                                          "ctx_per_slot": 2048}
                                       for c in caps}, "max_tokens": {c: 64 for c in caps}})
     cache = NodeCache()
     try:
@@ -272,7 +276,8 @@ def test_real_model_cot_and_chain_end_to_end():
             for s in (baseline_spec("cot", "math"), baseline_spec("chain", "math", n_agents=3)):
                 tr = execute(s, ex, GSM, pool, prompts=P, cache=cache)
                 assert tr.error is None and not tr.budget_exceeded, tr.error
-                assert all(a.prompt_tokens > 0 and a.completion_tokens > 0 and a.model == "smollm2-135m" for a in tr.agents)
+                assert all(a.prompt_tokens > 0 and a.completion_tokens > 0 and a.model == "smollm2-135m"
+                           for a in tr.agents)
                 assert tr.tokens == tr.nominal_tokens > 0 and tr.score in (0.0, 1.0)
                 assert tr.answer is None or re.fullmatch(r"-?[\d.]+", tr.answer)
                 again = execute(s, ex, GSM, pool, prompts=P, cache=cache)
@@ -283,7 +288,8 @@ def test_real_model_cot_and_chain_end_to_end():
 
 
 def test_node_cache_is_bounded_in_memory_and_on_disk(tmp_path):
-    """Issue 11 defect 10: LRU eviction past max_entries, the file compacted at 2 x max_entries lines, reload keeps the newest."""
+    """Issue 11 defect 10: LRU eviction past max_entries, the file compacted at 2 x max_entries lines, reload keeps the
+    newest."""
     from lemon.run.workers import Completion
     path = tmp_path / "cache.jsonl"
     c = NodeCache(path=path, max_entries=3)

@@ -1,7 +1,8 @@
-"""CUDA paths on a tiny randomly initialised model (no weights can be carried to the GPU machine). What needs only CUDA (CF
-advantages and their loss on the GPU; the trainer's CUDA branch on the transformers backend) runs wherever
-torch.cuda.is_available(); only the Unsloth test also needs unsloth (requirements-gpu.txt; the CPU stack never installs it),
-and on a CUDA machine without it that skip says so loudly (reason and warning). Run on a GPU box: pytest -rs tests/test_gpu.py"""
+"""CUDA paths on a tiny randomly initialised model (no weights can be carried to the GPU machine). What needs only CUDA
+(CF advantages and their loss on the GPU; the trainer's CUDA branch on the transformers backend) runs wherever
+torch.cuda.is_available(); only the Unsloth test also needs unsloth (requirements-gpu.txt; the CPU stack never installs
+it), and on a CUDA machine without it that skip says so loudly (reason and warning). Run on a GPU box: pytest -rs
+tests/test_gpu.py"""
 import importlib.util
 import json
 import warnings
@@ -34,7 +35,8 @@ def _train_tiny(tmp_path, backend: str, steps: int = 3) -> dict:
     _tiny_model(tmp_path / "tiny")
     pcfg = PolicyConfig(model=str(tmp_path / "tiny"), backend=backend, lora_r=4, lora_alpha=8, max_seq_length=4096)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
-    warm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(pcfg.target_modules), task_type="CAUSAL_LM"))
+    warm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(pcfg.target_modules),
+                                           task_type="CAUSAL_LM"))
     for n, p in warm.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)
@@ -57,8 +59,8 @@ def _train_tiny(tmp_path, backend: str, steps: int = 3) -> dict:
 
 
 def test_cf_advantages_and_their_loss_on_cuda():
-    """TRL's completion_mask lives on the GPU: the CF advantages must follow it and a policy-gradient loss over them backprop
-    there (issue 29, finding 1 on real CUDA; tests/test_device_placement.py checks it on the meta device)."""
+    """TRL's completion_mask lives on the GPU: the CF advantages must follow it and a policy-gradient loss over them
+    backprop there (issue 29, finding 1 on real CUDA; tests/test_device_placement.py checks it on the meta device)."""
     from lemon.train.cf import step_advantages
     cmask = torch.ones(4, 6, device="cuda")
     smask = torch.zeros(4, 6)
@@ -79,10 +81,11 @@ def test_cuda_cf_grpo_steps_without_unsloth(tmp_path):
 
 @pytest.mark.skipif(not HAVE_UNSLOTH, reason=NO_UNSLOTH)
 def test_unsloth_cf_grpo_steps_with_a_warm_start(tmp_path):
-    """Exactly what `lemon train` builds on CUDA: trainer_class('unsloth') (a subclass of the GRPOTrainer trl exports after
-    unsloth is imported, defect 3), with a warm-start adapter loaded into Unsloth's LoRA modules (defect 2)."""
+    """Exactly what `lemon train` builds on CUDA: trainer_class('unsloth') (a subclass of the GRPOTrainer trl exports
+    after unsloth is imported, defect 3), with a warm-start adapter loaded into Unsloth's LoRA modules (defect 2)."""
     from lemon.train.grpo import trainer_class
     cls = trainer_class("unsloth")  # imports unsloth before trl
     import trl
-    assert issubclass(cls, trl.GRPOTrainer) and "unsloth" in (trl.GRPOTrainer.__module__ + trl.GRPOTrainer.__name__).lower()
+    assert issubclass(cls, trl.GRPOTrainer) and "unsloth" in (trl.GRPOTrainer.__module__
+                                                              + trl.GRPOTrainer.__name__).lower()
     assert _train_tiny(tmp_path, "unsloth")["policy_backend"] == "unsloth"

@@ -99,7 +99,8 @@ def test_unsloth_gets_the_exact_model_name_and_the_run_seed(monkeypatch):
 def test_unsloth_with_cf_and_micro_batches_is_refused_before_loading(tmp_path):
     from lemon.prompts import default_prompts
     from lemon.train.pipeline import _train
-    cfg = train_preset("smoke", policy=PolicyConfig(model="smollm2-135m", backend="unsloth"), batch_size=4, micro_batch=2)
+    cfg = train_preset("smoke", policy=PolicyConfig(model="smollm2-135m", backend="unsloth"), batch_size=4,
+                       micro_batch=2)
     with pytest.raises(ValueError, match="micro_batch = batch_size"):
         _train(cfg, tmp_path, default_prompts(), pool=types.SimpleNamespace(describe=lambda: {}), init_adapter=None,
                examples=[], progress=False)

@@ -32,20 +32,23 @@ def _ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-# ---- canonical format ---------------------------------------------------------------------------------------------------
+# ---- canonical format ------------------------------------------------------------------------------------------------
 def test_to_yaml_is_the_grammar_layout():
     s = Spec((Agent("a1", "planner", "Planner", "List the steps.", "small"),
               Agent("a2", "solver", "Solver", "Solve it (carefully).", "large", ("a1",))), "a2")
-    assert s.to_yaml() == ('agents:\n  - id: a1\n    base_role: planner\n    role: "Planner"\n    duty: "List the steps."\n'
-                           '    capacity: small\n    depends_on: []\n  - id: a2\n    base_role: solver\n    role: "Solver"\n'
+    assert s.to_yaml() == ('agents:\n  - id: a1\n    base_role: planner\n    role: "Planner"\n'
+                           '    duty: "List the steps."\n    capacity: small\n    depends_on: []\n'
+                           '  - id: a2\n    base_role: solver\n    role: "Solver"\n'
                            '    duty: "Solve it (carefully)."\n    capacity: large\n    depends_on: [a1]\nfinal: a2\n')
 
 
 def test_canonical_renames_drops_and_cleans():
     s = spec_from_dict({"agents": [
-        dict(id="plan", base_role="planner", role="Careful: planner", duty="Plan: \"all\"\nsteps  #1 café", capacity="small"),
+        dict(id="plan", base_role="planner", role="Careful: planner", duty="Plan: \"all\"\nsteps  #1 café",
+             capacity="small"),
         dict(id="calc", base_role="calculator", role="Calc", duty="Add 5% & 6", capacity="medium", depends_on=["plan"]),
-        dict(id="solve", base_role="solver", role="42 Solver", duty="x" * 300, capacity="large", depends_on=["calc", "plan"]),
+        dict(id="solve", base_role="solver", role="42 Solver", duty="x" * 300, capacity="large",
+             depends_on=["calc", "plan"]),
         dict(id="late", base_role="critic", role="Late", duty="Never runs.", capacity="small", depends_on=["solve"])],
         "final": "solve"})
     c = canonical(s)
@@ -60,7 +63,8 @@ def test_canonical_renames_drops_and_cleans():
 
 
 def _clean_reference(s: str, n: int) -> bool:
-    """Slow obvious check of clean_text's output: the alphabet, a leading letter, no trailing or double space, bounded."""
+    """Slow obvious check of clean_text's output: the alphabet, a leading letter, no trailing or double space,
+    bounded."""
     ok = set(string.ascii_letters + string.digits + TEXT_PUNCT)
     return (s == "" or (s[0].isascii() and s[0].isalpha() and not s.endswith(" ") and "  " not in s
                         and all(ch in ok for ch in s))) and len(s) <= n
@@ -123,7 +127,8 @@ def test_canonical_roundtrip_in_grammar(toks, cache):
     lambda t: t[:-1],  # no final newline
 ])
 def test_grammar_rejects_near_misses(toks, cache, bad):
-    good = Spec((Agent("a1", "planner", "Planner", "Plan.", "small"), Agent("a2", "solver", "Solver", "Solve.", "large", ("a1",)),
+    good = Spec((Agent("a1", "planner", "Planner", "Plan.", "small"),
+                 Agent("a2", "solver", "Solver", "Solve.", "large", ("a1",)),
                  Agent("a3", "verifier", "Checker", "Check.", "medium", ("a1", "a2"))), "a3").to_yaml()
     g = SpecGrammar.for_domain(P, "math", max_agents=4)
     text = bad(good)
@@ -172,7 +177,8 @@ def test_random_walks_parse(toks, cache, name):
     closers = np.array(['"' in (p or "") or "Ċ" in (p or "") or "\n" in (p or "") for p in pieces])
     starts_f = np.array([(p or "").startswith("f") for p in pieces])
     sizes = set()
-    for dom, n, rc, dc in [(d, n, rc, dc) for d in DOMAINS for n, rc, dc in ((1, 48, 200), (3, 8, 30), (8, 12, 20))] * 3:
+    for dom, n, rc, dc in [(d, n, rc, dc) for d in DOMAINS
+                           for n, rc, dc in ((1, 48, 200), (3, 8, 30), (8, 12, 20))] * 3:
         g = SpecGrammar.for_domain(P, dom, max_agents=n, role_chars=rc, duty_chars=dc)
         m = cache.matcher(tok, g, eos_ids=[tok.eos_token_id])
         ids = _walk(m, tok, rng, closers, starts_f, target=int(rng.integers(1, n + 1)))
@@ -192,7 +198,8 @@ def test_cache_compiles_once(toks):
     n = c.compiles
     m1, m2 = c.matcher(tok, g), c.matcher(tok, SpecGrammar.for_domain(P, "code", max_agents=2))
     assert c.compiles == n == 2  # one tokenizer, one grammar
-    assert m1.consume_token(_ids(tok, "agents")[0]) and m2.compute_ff_bytes().startswith(b"agents:")  # independent copies
+    # independent copies
+    assert m1.consume_token(_ids(tok, "agents")[0]) and m2.compute_ff_bytes().startswith(b"agents:")
 
 
 def test_grammar_config_checks():

@@ -1,6 +1,6 @@
-"""CF-GRPO: scoring of rollouts and their counterfactuals (fake workers, real tokenizer), the trainer's guards, and a real
-smoke training run with the shipped 135M policy and workers: SFT warm start, grammar-constrained CF-GRPO steps, LoRA weights
-change, metrics and rollouts logged, resume continues."""
+"""CF-GRPO: scoring of rollouts and their counterfactuals (fake workers, real tokenizer), the trainer's guards, and a
+real smoke training run with the shipped 135M policy and workers: SFT warm start, grammar-constrained CF-GRPO steps,
+LoRA weights change, metrics and rollouts logged, resume continues."""
 import json
 import random
 import sys
@@ -51,7 +51,8 @@ def _scorer(lam=1.0, families=("edge", "role", "capacity"), reply=None, concurre
     # the large worker answers right, the others wrong: a capacity edit of the final agent changes success
     def default(capacity):
         return lambda m, p: "Answer: 18" if capacity == "large" else "Answer: 3"
-    pool = WorkerPool({c: FakeBackend((reply or default)(c), model=f"fake-{c}", latency_s=0.0) for c in ("small", "medium", "large")})
+    pool = WorkerPool({c: FakeBackend((reply or default)(c), model=f"fake-{c}", latency_s=0.0)
+                       for c in ("small", "medium", "large")})
     ex = B.load("gsm8k", "test")[0]  # gold 18
     return SpecScorer(pool, P, {ex.id: ex}, {"gsm8k": B.get_benchmark("gsm8k")}, reward=RewardConfig(max_agents=4),
                       caps=ExecutorCaps(), cache=NodeCache(), sampler=FamilySampler(), cf_lambda=lam, families=families,
@@ -64,7 +65,8 @@ def _decode(tok):
 
 def test_scorer_terms_edits_and_token_positions(tokenizer):
     ids = tuple(tokenizer(SPEC, add_special_tokens=False)["input_ids"])
-    seen = {}  # decoded span -> delta, over steps until both capacity sites were edited (the edit RNG is seeded per step)
+    # decoded span -> delta, over steps until both capacity sites were edited (the edit RNG is seeded per step)
+    seen = {}
     for step in range(40):
         sc, ex = _scorer(families=("capacity",))
         ok, bad = sc.score([(ex.id, SPEC, ids, 0, 0), (ex.id, "not a spec", (1, 2, 3), 0, 0)])
@@ -76,14 +78,16 @@ def test_scorer_terms_edits_and_token_positions(tokenizer):
         assert decoded in ("medium", "large")
         seen.setdefault(decoded, (ok.delta, ok.total))
         row = ok.to_row(1)
-        assert row["family"] == "capacity" and row["reward"] == ok.total and row["span_tokens"] == len(ok.span_positions)
+        assert (row["family"] == "capacity" and row["reward"] == ok.total
+                and row["span_tokens"] == len(ok.span_positions))
         if len(seen) == 2:
             break
     assert seen.keys() == {"medium", "large"}, seen  # both branches below run
-    # downgrading the final agent (large -> medium) loses the right answer: the edited spec scores 0 (gated reward), so the
-    # contrast is the rollout's whole reward
+    # downgrading the final agent (large -> medium) loses the right answer: the edited spec scores 0 (gated reward), so
+    # the contrast is the rollout's whole reward
     assert seen["large"][0] > 0.5 and seen["large"][0] == pytest.approx(seen["large"][1])
-    assert seen["medium"][0] == 0.0  # a1 medium -> small: the large final agent still answers right, same tokens: no contrast
+    # a1 medium -> small: the large final agent still answers right, same tokens: no contrast
+    assert seen["medium"][0] == 0.0
 
 
 def test_lambda_zero_makes_no_edits(tokenizer):
@@ -105,9 +109,9 @@ def _failing_at(failing: str, message: str):
 
 
 def test_errored_execution_is_never_rewarded_nor_a_side_of_a_contrast(tokenizer):
-    """Defect 4: a worker error used to leave the rollout valid with the tokens that did run, scoring ABOVE an honest wrong
-    answer. Now it has no reward at all (excluded from its group and the loss), and no counterfactual is computed against
-    an errored execution on either side."""
+    """Defect 4: a worker error used to leave the rollout valid with the tokens that did run, scoring ABOVE an honest
+    wrong answer. Now it has no reward at all (excluded from its group and the loss), and no counterfactual is computed
+    against an errored execution on either side."""
     sc, ex = _scorer(reply=_failing_at("large", "HTTP 404: model not found"), families=("capacity",))
     ids = tuple(tokenizer(SPEC)["input_ids"])
     wrong = SPEC.replace("capacity: large", "capacity: small")
@@ -138,7 +142,8 @@ def test_scoring_is_deterministic_under_concurrency(tokenizer):
     texts = []
     for _ in range(12):
         caps = [rng.choice(["small", "medium", "large"]) for _ in range(2)]
-        texts.append(SPEC.replace("capacity: medium", f"capacity: {caps[0]}").replace("capacity: large", f"capacity: {caps[1]}"))
+        texts.append(SPEC.replace("capacity: medium", f"capacity: {caps[0]}").replace("capacity: large",
+                                                                                      f"capacity: {caps[1]}"))
     out = []
     for conc in (1, 8):
         sc, ex = _scorer(reply=reply, concurrency=conc)
@@ -226,14 +231,14 @@ def test_restart_drops_rows_of_steps_after_the_checkpoint(tmp_path):
 
 
 def _smoke_configs():
-    """The smoke presets shrunk to what test_real_smoke_training_run_and_resume proves (issue 28; the smoke study keeps the
-    presets as they are): an SFT corpus of ONE row trained twice (batch 1, 2 epochs: 2 steps on the same row, so its loss
-    must drop), no valid-rate probe (a greedy decode of up to 286 tokens per probe question before and after SFT: 2 of
-    the 20 min the presets took under load), a 2-step run killed after its step-1 checkpoint then resumed, no dynamic resampling (a flat group would double the
-    sampling), and the "paper" reward form: with the 135M workers every answer is wrong, so the gated form gives every
-    rollout 0 (no spread, no contrast, LoRA weights that never move and a moved/changed check that passes vacuously); the
-    paper form keeps the token-efficiency and graph-cost terms of wrong answers, so two different specs, or a spec and its
-    edit, differ."""
+    """The smoke presets shrunk to what test_real_smoke_training_run_and_resume proves (issue 28; the smoke study keeps
+    the presets as they are): an SFT corpus of ONE row trained twice (batch 1, 2 epochs: 2 steps on the same row, so its
+    loss must drop), no valid-rate probe (a greedy decode of up to 286 tokens per probe question before and after SFT: 2
+    of the 20 min the presets took under load), a 2-step run killed after its step-1 checkpoint then resumed, no dynamic
+    resampling (a flat group would double the sampling), and the "paper" reward form: with the 135M workers every answer
+    is wrong, so the gated form gives every rollout 0 (no spread, no contrast, LoRA weights that never move and a
+    moved/changed check that passes vacuously); the paper form keeps the token-efficiency and graph-cost terms of wrong
+    answers, so two different specs, or a spec and its edit, differ."""
     from dataclasses import replace
     base = train_preset("smoke")
     cfg = train_preset("smoke", max_steps=2, save_steps=1, resample=0, reward=replace(base.reward, form="paper"))
@@ -275,9 +280,9 @@ def test_real_smoke_training_run_and_resume(tmp_path, monkeypatch):
         assert [l["step"] for l in steps] == [1]
         for key in ("reward", "rewards/success/mean", "rewards/token_efficiency/mean", "rewards/graph_cost/mean",
                     "rewards/invalid/mean", "spec/valid_rate", "spec/agents", "tokens/worker_spent", "tokens/cf_spent",
-                    "cf/edits", "cf/active", "cf/edit_errors", "cf/dropped", "rollouts/errored", "step/zero_spread_groups",
-                    "cf/prob_edge", "cf/prob_role", "cf/prob_capacity", "cache/hits", "cache/hit_rate", "time/step_s",
-                    "adv/scale"):
+                    "cf/edits", "cf/active", "cf/edit_errors", "cf/dropped", "rollouts/errored",
+                    "step/zero_spread_groups", "cf/prob_edge", "cf/prob_role", "cf/prob_capacity", "cache/hits",
+                    "cache/hit_rate", "time/step_s", "adv/scale"):
             assert all(key in l for l in steps), key
         # grammar-constrained rollouts: every spec parses
         assert all(l["spec/valid_rate"] == 1.0 for l in steps), [l["spec/valid_rate"] for l in steps]

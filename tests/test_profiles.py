@@ -66,12 +66,14 @@ def test_sets_reach_nested_configs_and_are_checked():
 
 def test_a_profile_is_one_entry_of_the_file(tmp_path):
     f = tmp_path / "profiles.yaml"
-    f.write_text("tiny:\n  base: smoke\n  answers: a toy\n  train: {max_steps: 3}\n  study: {benchmarks: [gsm8k], eval_n: 1}\n")
+    f.write_text("tiny:\n  base: smoke\n  answers: a toy\n  train: {max_steps: 3}\n  study: {benchmarks: [gsm8k], "
+                 "eval_n: 1}\n")
     cfg = study_preset("tiny", profiles_file=f)
     assert (cfg.profile, cfg.train.max_steps, cfg.benchmarks, cfg.eval_n) == ("tiny", 3, ("gsm8k",), 1)
     assert cfg.train == train_preset("smoke", max_steps=3)
     for bad, msg in [("tiny:\n  base: huge\n", "needs base"), ("tiny:\n  base: smoke\n  trian: {}\n", "unknown keys"),
-                     ("tiny: [1]\n", "must be a mapping"), ("tiny:\n  base: smoke\n  train: 3\n", "train must be a mapping"),
+                     ("tiny: [1]\n", "must be a mapping"),
+                     ("tiny:\n  base: smoke\n  train: 3\n", "train must be a mapping"),
                      ("tiny: {base: smoke\n", "not valid YAML")]:
         f.write_text(bad)
         with pytest.raises(ProfileError, match=msg):

@@ -1,4 +1,5 @@
-"""The reward's case table (lemon.train.rewards docstring), one test per row, in both forms; and its order guarantees."""
+"""The reward's case table (lemon.train.rewards docstring), one test per row, in both forms; and its order
+guarantees."""
 import itertools
 
 import pytest

@@ -64,8 +64,8 @@ def test_lambda_zero_is_plain_grpo():
 
 
 def test_gradient_only_on_edited_span_when_group_advantage_is_zero():
-    """TRL's GRPO per-token loss is -exp(logp - logp.detach()) * A_{i,t}; with A_i = 0 and delta != 0 the gradient w.r.t.
-    the logits must vanish everywhere except at the edited-span tokens."""
+    """TRL's GRPO per-token loss is -exp(logp - logp.detach()) * A_{i,t}; with A_i = 0 and delta != 0 the gradient
+    w.r.t. the logits must vanish everywhere except at the edited-span tokens."""
     B, T, V = 3, 7, 11
     logits = torch.randn(B, T, V, requires_grad=True)
     ids = torch.randint(0, V, (B, T))

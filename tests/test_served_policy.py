@@ -1,6 +1,6 @@
 """The policy served by llama-server (lemon.policy.served, lemon.eval.served): the top-n greedy under an llguidance mask
-against a slow obvious reference (a fake server, every branch: forced tokens, a top-n hit, the ban fallback), the F32 base
-against transformers' own dequantized weights, and the real server against the real transformers policy."""
+against a slow obvious reference (a fake server, every branch: forced tokens, a top-n hit, the ban fallback), the F32
+base against transformers' own dequantized weights, and the real server against the real transformers policy."""
 import json
 import random
 
@@ -31,7 +31,8 @@ class FakeServed:
         self.n_vocab, self.eos, self.calls, self.bans = n_vocab, eos, 0, 0
         rng = np.random.default_rng(0)
         self.table = rng.standard_normal((400, n_vocab)).astype(np.float32)  # (T, V) logits of the fake model
-        self.table[:, eos] += 3.0  # the fake model likes to stop: the EOS branch is taken as soon as the grammar allows it
+        # the fake model likes to stop: the EOS branch is taken as soon as the grammar allows it
+        self.table[:, eos] += 3.0
 
     def logits(self, n_done: int):
         return self.table[n_done % len(self.table)]
@@ -111,8 +112,8 @@ def test_f32_base_holds_exactly_the_trained_policys_weights():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_served_policy_writes_the_transformers_policys_greedy_specs(tmp_path):
-    """The real llama-server with the SmolLM2 policy and a random LoRA (B ~ N(0, 0.05^2), so the adapter matters) writes,
-    token for token, the greedy constrained spec of lemon.policy.rollout.sample_specs on a GSM8K train question;
+    """The real llama-server with the SmolLM2 policy and a random LoRA (B ~ N(0, 0.05^2), so the adapter matters)
+    writes, token for token, the greedy constrained spec of lemon.policy.rollout.sample_specs on a GSM8K train question;
     token log-probs agree to 1e-3. One question, at most 2 agents: transformers' greedy decoding is the slow part."""
     import sys
     from pathlib import Path
@@ -131,7 +132,8 @@ def test_served_policy_writes_the_transformers_policys_greedy_specs(tmp_path):
     model, tok = load_policy(PolicyConfig(model="smollm2-135m"), adapter=adapter)
     g = SpecGrammar.for_domain(P, "math", max_agents=2)
     msgs = [orchestrator_messages(e.question, "math", P, 2) for e in qs]
-    want = sample_specs(model, tok, msgs, n=1, temperature=0.0, max_new_tokens=286, seed=0, constraint=GrammarConstraint(g))
+    want = sample_specs(model, tok, msgs, n=1, temperature=0.0, max_new_tokens=286, seed=0,
+                        constraint=GrammarConstraint(g))
     with ServedPolicy("smollm2-135m", adapter, log_dir=tmp_path / "logs") as served:
         w = ServedPolicySpecWriter(served, tok, OrchestratorConfig(max_tokens=286, max_agents=2))
         got = [w.propose(e.question, "math", P) for e in qs]
@@ -143,9 +145,9 @@ def test_served_policy_writes_the_transformers_policys_greedy_specs(tmp_path):
 
 
 def test_study_evaluation_writer_on_the_server(tmp_path):
-    """StudyConfig.policy_server: the study's trained-policy writer (LazyPolicyWriter) starts a llama-server on its first
-    spec, writes a grammar-valid spec there, names itself '@served', and stops the server on close(); a non-shipped policy
-    is refused by the config."""
+    """StudyConfig.policy_server: the study's trained-policy writer (LazyPolicyWriter) starts a llama-server on its
+    first spec, writes a grammar-valid spec there, names itself '@served', and stops the server on close(); a
+    non-shipped policy is refused by the config."""
     import sys
     from dataclasses import replace
     from pathlib import Path

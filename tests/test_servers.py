@@ -1,6 +1,7 @@
 """Managed llama-servers (lemon.run.servers) on the real 135M model: lifecycle, usage, constrained output, a crash with
-requests in flight, no orphans however lemon ends, the embedded-default pool, and the paper profile's one-server-per-capacity
-configuration (configs/workers-paper.yaml) with llama-server stand-ins, one of them killed mid-run."""
+requests in flight, no orphans however lemon ends, the embedded-default pool, and the paper profile's
+one-server-per-capacity configuration (configs/workers-paper.yaml) with llama-server stand-ins, one of them killed
+mid-run."""
 import json
 import os
 import signal
@@ -92,14 +93,16 @@ def test_health_usage_json_schema_and_logs(manager):
         assert json.loads(r.read())["status"] == "ok"
     p = SamplingParams(max_tokens=24)
     c = b.chat(MSGS, p)
-    assert c.text.strip() and 0 < c.completion_tokens <= 24 and c.model == SMALL and c.finish_reason in ("stop", "length")
+    assert (c.text.strip() and 0 < c.completion_tokens <= 24 and c.model == SMALL
+            and c.finish_reason in ("stop", "length"))
     # usage is the server's own count of the chat-templated prompt, also when the prompt came from the slot's cache
     templated = _post(b.base_url, "/apply-template", {"messages": MSGS})["prompt"]
     n_prompt = len(_post(b.base_url, "/tokenize", {"content": templated, "add_special": True})["tokens"])
     again = b.chat(MSGS, p)
     assert c.prompt_tokens == again.prompt_tokens == n_prompt and again.text == c.text  # greedy: same text
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
-    j = b.chat([{"role": "user", "content": "What is 2 + 3? Reply in JSON."}], SamplingParams(max_tokens=32, json_schema=schema))
+    j = b.chat([{"role": "user", "content": "What is 2 + 3? Reply in JSON."}],
+               SamplingParams(max_tokens=32, json_schema=schema))
     assert isinstance(json.loads(j.text)["answer"], int)
     d = manager.describe()[SMALL]
     assert d["config"]["slots"] == CFG.slots and "sdist_sha256=" in d["build"] and d["restarts"] == 0
@@ -158,7 +161,8 @@ _CHILD = textwrap.dedent("""
 def test_no_orphan_server_however_lemon_ends(tmp_path, how):
     """Normal exit (atexit), Ctrl-C (KeyboardInterrupt), SIGTERM and SIGKILL of lemon (PR_SET_PDEATHSIG) all take the
     server with them."""
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), how], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path), how], cwd=ROOT, stdout=subprocess.PIPE,
+                         text=True)
     pid = int(p.stdout.readline())
     if how != "exit":
         os.kill(p.pid, getattr(signal, how))
@@ -186,9 +190,10 @@ def test_embedded_default_pool_owns_one_server_per_model(tmp_path):
 
 @pytest.mark.slow
 def test_paper_profile_one_server_per_capacity_one_killed(tmp_path):
-    """configs/workers-paper.yaml as shipped (three openai entries, one base_url per capacity), pointed at three llama-server
-    stand-ins serving the 135M model under the paper's model names; concurrent agents on all three; then one server dies:
-    its capacity raises BackendUnavailableError (after the documented retries), the others keep answering."""
+    """configs/workers-paper.yaml as shipped (three openai entries, one base_url per capacity), pointed at three
+    llama-server stand-ins serving the 135M model under the paper's model names; concurrent agents on all three; then
+    one server dies: its capacity raises BackendUnavailableError (after the documented retries), the others keep
+    answering."""
     cfg = yaml.safe_load((ROOT / "configs" / "workers-paper.yaml").read_text())
     caps = ("small", "medium", "large")
     assert {cfg[c]["backend"] for c in caps} == {"openai"} and len({cfg[c]["base_url"] for c in caps}) == 3
@@ -210,7 +215,8 @@ def test_paper_profile_one_server_per_capacity_one_killed(tmp_path):
             from lemon.spec import spec_from_dict
             spec, meter = spec_from_dict(d), TokenMeter()
             with ThreadPoolExecutor(3) as tp:  # three questions at once, as `lemon eval --concurrency 3` runs them
-                traces = list(tp.map(lambda s: execute(spec, ex, bench, pool, prompts=P, seed=s, meter=meter), range(3)))
+                traces = list(tp.map(lambda s: execute(spec, ex, bench, pool, prompts=P, seed=s, meter=meter),
+                                     range(3)))
             assert all(t.error is None and t.tokens > 0 for t in traces)
             assert meter.totals()["total"]["total_tokens"] == sum(t.tokens for t in traces)
             assert {c for c in caps if meter.totals()["by_capacity"].get(c, {}).get("calls")} == set(caps)
@@ -226,9 +232,10 @@ def test_paper_profile_one_server_per_capacity_one_killed(tmp_path):
 @pytest.mark.slow
 def test_deterministic_workers_reply_alike_whatever_is_in_flight():
     """TrainConfig.deterministic_workers (issue 30) end to end on the real server: the pool the trainer builds sends one
-    request at a time with the prompt cache off, and a greedy request repeated among 8 concurrent callers (other questions
-    interleaved) gets the reply it gets alone, every time. The non-deterministic rate this removes is measured, not
-    asserted (bench/flip_rate.py: 11 of 20 flipped at 8 in flight on the 0.5B, LOG.md 2026-12-05): it depends on the CPU."""
+    request at a time with the prompt cache off, and a greedy request repeated among 8 concurrent callers (other
+    questions interleaved) gets the reply it gets alone, every time. The non-deterministic rate this removes is
+    measured, not asserted (bench/flip_rate.py: 11 of 20 flipped at 8 in flight on the 0.5B, LOG.md 2026-12-05): it
+    depends on the CPU."""
     from lemon.train.config import train_preset
     from lemon.train.pipeline import build_pool
     with pytest.raises(ValueError, match="llama-server workers"):

@@ -1,6 +1,6 @@
 """Span -> sampled-token mapping on the real byte-level BPE tokenizers of the shipped policies (Qwen2.5-Coder-0.5B,
-SmolLM2-135M), checked against a slow obvious reference: each token's own UTF-8 bytes (read from its vocabulary string, not
-from decode) and the span's bytes; a token belongs to the span exactly when the two byte ranges overlap."""
+SmolLM2-135M), checked against a slow obvious reference: each token's own UTF-8 bytes (read from its vocabulary string,
+not from decode) and the span's bytes; a token belongs to the span exactly when the two byte ranges overlap."""
 import random
 
 import pytest
@@ -21,8 +21,8 @@ def spec_text(rng) -> str:
         aid = f"a{k}"
         deps = rng.sample(ids, min(len(ids), rng.randint(0, 2)))
         lines += [f"  - id: {aid}", "    base_role: solver", f"    role: \"Rôle {k} ✨\"",
-                  f"    duty: \"{rng.choice(DUTIES)} {rng.choice(DUTIES)}\"", f"    capacity: {rng.choice(['small', 'large'])}",
-                  f"    depends_on: [{', '.join(deps)}]"]
+                  f"    duty: \"{rng.choice(DUTIES)} {rng.choice(DUTIES)}\"",
+                  f"    capacity: {rng.choice(['small', 'large'])}", f"    depends_on: [{', '.join(deps)}]"]
         ids.append(aid)
     return "\n".join(lines) + "\n"
 
@@ -128,8 +128,8 @@ def test_mapping_equals_byte_reference_on_multibyte_specs(tok):
 
 
 def test_text_longer_or_shorter_than_the_decoded_ids(tok):
-    """TRL's bootstrap prefix makes the text longer; its parse_response path may strip a trailing EOS / whitespace (or the
-    leading whitespace), making the text shorter than decode(ids)."""
+    """TRL's bootstrap prefix makes the text longer; its parse_response path may strip a trailing EOS / whitespace (or
+    the leading whitespace), making the text shorter than decode(ids)."""
     rng = random.Random(1)
     eos = tok.hf.convert_tokens_to_ids("<|im_end|>")
     nl = tok.hf.encode("\n\n", add_special_tokens=False)

@@ -50,7 +50,8 @@ def test_parse_valid_and_levels():
 
 
 def test_final_defaults_to_last_and_unreachable_reported():
-    s = parse_spec(VALID.replace("final: check\n", "").replace("depends_on:\n      - plan\n      - calc", "depends_on: [plan]"))
+    s = parse_spec(VALID.replace("final: check\n", "").replace("depends_on:\n      - plan\n      - calc",
+                                                               "depends_on: [plan]"))
     assert s.final == "check"
     assert s.unreachable() == ["calc"]
     s2 = parse_spec(VALID.replace("final: check", "final: calc"))
@@ -99,7 +100,8 @@ def _doc(*agents, **top):
     (_doc({"id": "a"}), S.MissingFieldError),
     (_doc(_agent(colour="red")), S.UnknownFieldError),
     (_doc(_agent(), extra=1), S.UnknownFieldError),
-    ("agents:\n  - id: a\n    id: b\n    base_role: solver\n    role: r\n    duty: d\n    capacity: small\n", S.UnknownFieldError),
+    ("agents:\n  - id: a\n    id: b\n    base_role: solver\n    role: r\n    duty: d\n    capacity: small\n",
+     S.UnknownFieldError),
     (_doc(_agent(role=5)), S.WrongTypeError),
     (_doc(_agent(duty=["x"])), S.WrongTypeError),
     (_doc(_agent(depends_on="a")), S.WrongTypeError),
@@ -148,7 +150,7 @@ def test_custom_base_roles_and_max_agents():
         parse_spec(t, base_roles={"wizard"}, max_agents=1)
 
 
-# ---- fuzz: >= 1000 malformed inputs; each parses or raises SpecError, nothing else escapes ------------------------------
+# ---- fuzz: >= 1000 malformed inputs; each parses or raises SpecError, nothing else escapes ---------------------------
 def _mutations(rng: random.Random):
     base = [VALID, parse_spec(VALID).to_yaml(), _doc(_agent(), _agent(id="b", depends_on=["a"]))]
     for text in base:
@@ -199,7 +201,7 @@ def test_fuzz_only_spec_errors():
     assert len(codes) >= 8, codes
 
 
-# ---- canonical YAML -----------------------------------------------------------------------------------------------------
+# ---- canonical YAML --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("duty", ["plain text.", "a: b", "has # hash", "yes", "123", "quote ' and \" both", "- dash",
                                   "ends with colon:", "multi\nline", "[not a list]", "{x}", "@at", "tab\there", "ünï"])
 def test_to_yaml_roundtrip(duty):
@@ -220,13 +222,13 @@ def test_json_schema_accepts_valid_spec():
         jsonschema.validate(d, schema)
 
 
-# ---- spans --------------------------------------------------------------------------------------------------------------
+# ---- spans -----------------------------------------------------------------------------------------------------------
 STYLES = [
     VALID,
     # flow mappings and flow lists, double quotes
-    '{"agents": [{"id": "p", "base_role": "planner", "role": "P", "duty": "Plan it.", "capacity": "small", "depends_on": []},'
-    ' {"id": "s", "base_role": "solver", "role": "S r", "duty": "Solve it.", "capacity": "large", "depends_on": ["p"]}],'
-    ' "final": "s"}',
+    '{"agents": [{"id": "p", "base_role": "planner", "role": "P", "duty": "Plan it.", "capacity": "small", '
+    '"depends_on": []}, {"id": "s", "base_role": "solver", "role": "S r", "duty": "Solve it.", "capacity": "large", '
+    '"depends_on": ["p"]}], "final": "s"}',
     # field order shuffled, no depends_on on the first agent, literal block duty, comments
     "agents:\n- capacity: small  # cheap\n  duty: |\n    Plan\n    it.\n  role: P\n  base_role: planner\n  id: p\n"
     "- id: s\n  depends_on: [ p ]\n  base_role: solver\n  role: 'S r'\n  duty: Solve it.\n  capacity: large\n",
@@ -247,14 +249,15 @@ def test_spans_point_at_values(text):
             assert yaml.safe_load(text[st:en]) == d
         if sp.depends_on is not None and a.depends_on:
             st, en = sp.depends_on
-            col = st - text.rfind("\n", 0, st) - 1  # a block list read out of context needs its first line's indent back
+            # a block list read out of context needs its first line's indent back
+            col = st - text.rfind("\n", 0, st) - 1
             assert yaml.safe_load(textwrap.dedent(" " * col + text[st:en])) == list(a.depends_on)
             assert not text[st:en].endswith(("\n", " "))
 
 
 def test_json_escaped_emoji_is_joined_and_lone_surrogates_are_refused():
-    """JSON-constrained output escapes an emoji as a surrogate pair; it must parse to the real character (a lone surrogate
-    cannot be encoded, re-dumped or tokenized)."""
+    """JSON-constrained output escapes an emoji as a surrogate pair; it must parse to the real character (a lone
+    surrogate cannot be encoded, re-dumped or tokenized)."""
     import json as _json
     text = _json.dumps({"agents": [{"id": "a", "base_role": "solver", "role": "A", "duty": "Count the \U0001F600.",
                                     "capacity": "small"}]})

@@ -1,5 +1,6 @@
-"""Stratified training batches (lemon.train.episodes.CurriculumSampler with `strata`): every step sees every task type of
-its world when it has room for them, and the unstratified curriculum draws exactly as it did before stratification."""
+"""Stratified training batches (lemon.train.episodes.CurriculumSampler with `strata`): every step sees every task type
+of its world when it has room for them, and the unstratified curriculum draws exactly as it did before
+stratification."""
 import random
 
 from lemon.train.episodes import CurriculumSampler, QuestionLabels, _seed

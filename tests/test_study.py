@@ -1,5 +1,5 @@
-"""The study runner and its tables, fast: presets, out-dir / resume logic, the papermill loop (faked), summary tables and the
-Pareto front from hand-made rows, and resumable evaluation / edit effects on a fake worker pool."""
+"""The study runner and its tables, fast: presets, out-dir / resume logic, the papermill loop (faked), summary tables
+and the Pareto front from hand-made rows, and resumable evaluation / edit effects on a fake worker pool."""
 import ast
 import dataclasses
 import json
@@ -46,7 +46,8 @@ def test_broad_presets_build_and_reference_training_presets(profile):
     assert cfg.profile == profile and cfg.train.profile == study.STUDY_PROFILES[profile]
     assert cfg.seed == cfg.train.seed == cfg.sft.seed == 3
     assert set(cfg.benchmarks) == set(B.BENCHMARKS)
-    assert {"vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random", "prompted", "lemon"} <= set(cfg.eval_methods)
+    assert {"vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random", "prompted",
+            "lemon"} <= set(cfg.eval_methods)
     assert {"global", "full", "edge"} <= set(cfg.ablation_variants)
     if profile != "smoke":  # smoke keeps one single-family variant to fit CI
         assert {"role", "capacity"} <= set(cfg.ablation_variants)
@@ -56,8 +57,8 @@ def test_broad_presets_build_and_reference_training_presets(profile):
 @pytest.mark.parametrize("profile", ["cpu", "cpu-long"])
 def test_cpu_asks_one_question_on_paired_math_questions(profile):
     """The embedded default pairs the trained policy with its own SFT warm start (cpu-long: and global GRPO at the same
-    step count) and CoT@large (cpu-long: CoT at each capacity), on the same seeded math EVAL-pool questions (the ablation
-    sample is the whole eval sample)."""
+    step count) and CoT@large (cpu-long: CoT at each capacity), on the same seeded math EVAL-pool questions (the
+    ablation sample is the whole eval sample)."""
     cfg = study.study_preset(profile, seed=1)
     assert cfg.train.profile == "cpu" and cfg.benchmarks == study.MATH == cfg.ablation_benchmarks
     assert cfg.ablation_variants == (("sft",) if profile == "cpu" else ("sft", "global"))
@@ -66,7 +67,8 @@ def test_cpu_asks_one_question_on_paired_math_questions(profile):
     assert cfg.eval_n * len(cfg.benchmarks) >= 90 and {"cot@large", "lemon"} <= set(cfg.eval_methods)
     if profile == "cpu-long":
         assert cfg.ablation_steps == cfg.train.max_steps >= 15 and cfg.eval_n * len(cfg.benchmarks) >= 150
-    assert set(cfg.train.benchmarks) == set(study.MATH)  # trained on the math TRAIN pools, evaluated on their EVAL pools
+    # trained on the math TRAIN pools, evaluated on their EVAL pools
+    assert set(cfg.train.benchmarks) == set(study.MATH)
     assert study.split_method("cot@large") == ("cot", "large") and study.split_method("lemon") == ("lemon", None)
 
 
@@ -172,7 +174,8 @@ def test_run_study_skips_finished_notebooks_and_names_a_failing_cell(tmp_path, m
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls3 == []
     assert len(json.loads((out / "manifest.json").read_text())["resumed"]) == 2
-    (out / ".done" / "02_train_grpo_lora.json").unlink()  # a notebook that runs again re-runs its successors (they resume)
+    # a notebook that runs again re-runs its successors (they resume)
+    (out / ".done" / "02_train_grpo_lora.json").unlink()
     calls4 = _fake_papermill(monkeypatch)
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls4 == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
@@ -247,15 +250,17 @@ def test_tables_and_summary_from_results(tmp_path):
                                                                   "tokens": 99.0} for s, a in ((0, 0.5), (2, 0.75))]))
     md = plots.write_summary(cfg, paths).read_text()
     assert "## Learning curves" in md and "| lemon | 2 | 6 | 0.750 | 99.000 |" in md
-    for needle in ("## Main results", "| method | gsm8k (test, n=2) | mmlu (validation, n=2) |", "| cot | 0.50 [0.09, 0.91] · 100 |", "## Ablation",
-                   "| variant |", "## Edit effects", "seed 0", "baselines at capacity `medium`", "smollm2-135m", "gsm8k test", "mmlu validation"):
+    for needle in ("## Main results", "| method | gsm8k (test, n=2) | mmlu (validation, n=2) |",
+                   "| cot | 0.50 [0.09, 0.91] · 100 |", "## Ablation",
+                   "| variant |", "## Edit effects", "seed 0", "baselines at capacity `medium`", "smollm2-135m",
+                   "gsm8k test", "mmlu validation"):
         assert needle in md, needle
     # the paired answer comes first: lemon vs the 1-step global variant on the question both saw, and vs each baseline
     assert md.index("## Does training help?") < md.index("## Data pools")
     assert "The SFT warm start was not evaluated" in md and "| lemon | cot@medium | 4 |" in md
     for fig in (plots.dev_plot(pd.DataFrame(json.loads((paths.root / "dev" / "curves.json").read_text()))),
-                plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a), plots.edit_heatmap(
-            plots.edit_table(stages.read_rows(paths.edits)))):
+                plots.pareto_plot(s.reset_index()), plots.accuracy_heatmap(t), plots.ablation_plot(a),
+                plots.edit_heatmap(plots.edit_table(stages.read_rows(paths.edits)))):
         p = plots.save(fig, tmp_path / "p.png")
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -324,8 +329,8 @@ def test_evaluate_runs_the_configured_questions_in_flight(prepared, tmp_path):
     ex = {"multiarith": study.load_samples(cfg, paths)["multiarith"]}
     for conc, arg, want in ((3, None, 3), (3, 1, 1)):
         out = tmp_path / f"c{conc}-{arg}"
-        s = stages.evaluate(dataclasses.replace(cfg, eval_concurrency=conc), paths, "cot", ex, fake_pool(), default_prompts(),
-                            progress=False, concurrency=arg, out_of=lambda b, out=out: out / b)
+        s = stages.evaluate(dataclasses.replace(cfg, eval_concurrency=conc), paths, "cot", ex, fake_pool(),
+                            default_prompts(), progress=False, concurrency=arg, out_of=lambda b, out=out: out / b)
         assert s[0]["concurrency"] == want and s[0]["n"] == 2
 
 
@@ -347,7 +352,8 @@ def test_a_killed_kernel_is_named_and_the_study_resumes(tmp_path, monkeypatch, c
         study.run_study("smoke", tmp_path / "s", log_output=False)
     err = capsys.readouterr().err
     assert e.value.code == 1 and "02_train_grpo_lora.ipynb: its kernel died" in err and "oom" in err and "--out" in err
-    assert json.loads((tmp_path / "s" / "timings.json").read_text())["02_train_grpo_lora"][0]["stopped"] == "kernel died"
+    assert (json.loads((tmp_path / "s" / "timings.json").read_text())["02_train_grpo_lora"][0]["stopped"]
+            == "kernel died")
     calls = _fake_papermill(monkeypatch)
     study.run_study("smoke", tmp_path / "s", log_output=False)
     assert calls == ["02_train_grpo_lora", "03_ablations", "04_evaluate"]
@@ -422,7 +428,8 @@ def test_dev_curves_evaluate_each_runs_checkpoints_on_held_out_train_questions(t
             pass
     monkeypatch.setattr(stages, "LazyPolicyWriter", Writer)
     rows = stages.dev_curves(cfg, paths, default_prompts(), fake_pool(), progress=False)
-    assert [(r["run"], r["step"]) for r in rows] == [("lemon", 0), ("lemon", 2), ("lemon", 4), ("global", 0), ("global", 2)]
+    assert [(r["run"], r["step"]) for r in rows] == [("lemon", 0), ("lemon", 2), ("lemon", 4), ("global", 0),
+                                                     ("global", 2)]
     assert all(r["n"] == 2 * len(cfg.train.benchmarks) for r in rows)
     n_q = 2 * len(cfg.train.benchmarks)
     assert seen == (["train/sft"] * n_q + ["train/grpo/grpo/checkpoint-2"] * n_q + ["train/grpo/adapter"] * n_q +

@@ -1,6 +1,6 @@
-"""The known-optimum testbed (lemon.testbed): the sim's table, its reading of the executor's real messages, exact expected
-reward vs Monte Carlo through the REAL executor, the pruned optimum search vs brute force, regret, and the experiment's
-aggregation and plots on hand-written run folders."""
+"""The known-optimum testbed (lemon.testbed): the sim's table, its reading of the executor's real messages, exact
+expected reward vs Monte Carlo through the REAL executor, the pruned optimum search vs brute force, regret, and the
+experiment's aggregation and plots on hand-written run folders."""
 import json
 import math
 import random
@@ -45,18 +45,20 @@ def spec(*agents, final=None):
     return spec_from_dict({"agents": list(agents), "final": final or agents[-1]["id"]})
 
 
-# ---- the model ---------------------------------------------------------------------------------------------------------
+# ---- the model -------------------------------------------------------------------------------------------------------
 def test_outcome_table():
     cfg = TWO_TYPES
     assert outcome_dist(Node("solve", "medium", True), [], HARD_T, cfg)["correct"] == pytest.approx(0.25 + 0.15)
     assert outcome_dist(Node("solve", "large", True), [("note", "none")], HARD_T, cfg)["correct"] == pytest.approx(0.8)
-    assert outcome_dist(Node("solve", "large", False), [("solve", "correct")], HARD_T, cfg)["correct"] == pytest.approx(0.55)
+    assert outcome_dist(Node("solve", "large", False), [("solve", "correct")], HARD_T,
+                        cfg)["correct"] == pytest.approx(0.55)
     assert outcome_dist(Node("solve", "medium", True), [], EASY_T, cfg) == {"correct": 1.0, "wrong": 0.0}  # clipped
     q = 0.5 + 0.1  # large checker, customized
     chk = Node("check", "large", True)
     assert outcome_dist(chk, [("solve", "wrong")], HARD_T, cfg)["correct"] == pytest.approx(q)
     assert outcome_dist(chk, [("solve", "correct")], HARD_T, cfg)["correct"] == 1.0
-    assert outcome_dist(chk, [("solve", "correct"), ("solve", "wrong")], HARD_T, cfg)["correct"] == pytest.approx(0.5 + 0.5 * q)
+    assert outcome_dist(chk, [("solve", "correct"), ("solve", "wrong")], HARD_T,
+                        cfg)["correct"] == pytest.approx(0.5 + 0.5 * q)
     assert outcome_dist(chk, [("note", "none")], HARD_T, cfg) == {"none": 1.0}  # a note gives no answer to check
     assert outcome_dist(Node("check", "small", False), [("solve", "wrong")], HARD_T, cfg)["correct"] == 0.0
     dec = Node("pass", "large", True)
@@ -96,7 +98,8 @@ def test_replies_are_scored_by_the_real_scorer():
 
 def test_backend_tokens_errors_and_draws():
     pool = WORLD.pool()
-    s = spec(A("a1", cap="large"), A("a2", ["a1"], cap="medium", base="verifier"), A("a3", ["a1", "a2"], base="decider"))
+    s = spec(A("a1", cap="large"), A("a2", ["a1"], cap="medium", base="verifier"),
+             A("a3", ["a1", "a2"], base="decider"))
     tr = execute(s, HARD, GSM, pool, prompts=P, seed=3)
     assert [(a.prompt_tokens, a.completion_tokens) for a in tr.agents] == [(400, 240), (640, 160), (800, 100)]
     assert tr.error is None and tr.nominal_tokens == WORLD.evaluate(s, HARD, R).tokens == 2340
@@ -125,7 +128,7 @@ def test_node_cache_and_counterfactual_reexecution():
     assert [a.cache_hit for a in cf.agents] == [True, False, False]  # only the edited agent and its descendant re-run
 
 
-# ---- exact expected reward vs Monte Carlo through the real executor ------------------------------------------------------
+# ---- exact expected reward vs Monte Carlo through the real executor --------------------------------------------------
 MC_CASES = {
     "tie vote + note + dead agent": (spec(A("a1", base="planner"), A("a2", ["a1"], cap="large"), A("a3", cap="medium"),
                                           A("a4", ["a2", "a3"], cap="medium", base="verifier"), A("a5", cap="large"),
@@ -156,16 +159,16 @@ def test_expected_reward_matches_monte_carlo(case, form):
     assert abs(mean - ev.expected_reward) <= 4 * se + 1e-9, (case, mean, ev.expected_reward, se)
 
 
-# ---- the optimum search vs brute force ---------------------------------------------------------------------------------
+# ---- the optimum search vs brute force -------------------------------------------------------------------------------
 def _subsets(items):
     return [c for r in range(len(items) + 1) for c in combinations(items, r)]
 
 
 def brute_force(world, example, cfg, max_agents, roles=tuple(ROLE_OF.values())):
-    """max expected reward over EVERY spec of <= max_agents agents: any base role in `roles`, a duty that is the default,
-    one the world rewards or one it does not (lemon.testbed.sim.duty_effect: 'Refine it.' names both 're' and 'in', 'Be
-    brief.' neither), any capacity, any dependencies, any final. Memoized on (agents that run, agent / edge / unreachable
-    counts), which is everything the executor and the graph cost read."""
+    """max expected reward over EVERY spec of <= max_agents agents: any base role in `roles`, a duty that is the
+    default, one the world rewards or one it does not (lemon.testbed.sim.duty_effect: 'Refine it.' names both 're' and
+    'in', 'Be brief.' neither), any capacity, any dependencies, any final. Memoized on (agents that run, agent / edge /
+    unreachable counts), which is everything the executor and the graph cost read."""
     variants = [(r, cap, duty) for r in roles for cap in CAPACITIES for duty in (None, "Refine it.", "Be brief.")]
     default = P.roles_for(None)
     best, memo = float("-inf"), {}
@@ -178,10 +181,12 @@ def brute_force(world, example, cfg, max_agents, roles=tuple(ROLE_OF.values())):
                     for i in range(f, -1, -1):
                         if i in live:
                             live.update(deps[i])
-                    key = (tuple((KIND_OF[vs[i][0]], vs[i][1:], deps[i]) for i in sorted(live)), n, edges, n - len(live))
+                    key = (tuple((KIND_OF[vs[i][0]], vs[i][1:], deps[i]) for i in sorted(live)), n, edges,
+                           n - len(live))
                     if key not in memo:
                         agents = tuple(Agent(f"a{i + 1}", r, "R", cu or default[r], cap,
-                                             tuple(f"a{j + 1}" for j in d)) for i, ((r, cap, cu), d) in enumerate(zip(vs, deps)))
+                                             tuple(f"a{j + 1}" for j in d))
+                                             for i, ((r, cap, cu), d) in enumerate(zip(vs, deps)))
                         memo[key] = world.expected_reward(Spec(agents, f"a{f + 1}"), example, cfg)
                     best = max(best, memo[key])
     return best
@@ -230,7 +235,7 @@ def test_tiny_world_optimum_is_far_from_typical_specs():
     assert sum(regrets) / len(regrets) > 0.3 and min(regrets) >= -1e-12
 
 
-# ---- the experiment's aggregation and plots on hand-written run folders ------------------------------------------------
+# ---- the experiment's aggregation and plots on hand-written run folders ----------------------------------------------
 def test_split_and_train_config():
     train, held = split_examples(WORLD, 20, 10, seed=0)
     assert not {e.id for e in train} & {e.id for e in held}
@@ -284,7 +289,8 @@ def test_aggregation_and_report(tmp_path):
     row = b[(b.arm == "cf") & (b.step == 3)].iloc[0]  # seed 0 at 0, seeds 1-2 at r_weak
     assert row["mean"] == pytest.approx(2 * r_weak / 3) and row["lo"] <= row["mean"] <= row["hi"] and row["seeds"] == 3
     assert bootstrap_ci([1.0, 1.0, 1.0]) == (1.0, 1.0) and all(math.isnan(x) for x in bootstrap_ci([]))
-    # paired by seed: cf's final regret (last 2 steps) is 0 in every seed, global's r_weak / 2; edge has no seed 1-2 pair
+    # paired by seed: cf's final regret (last 2 steps) is 0 in every seed, global's r_weak / 2; edge has no seed 1-2
+    # pair
     pt = paired_table(curves, None, exp).set_index(["arm", "metric"])
     row = pt.loc[("cf", "final_regret")]
     assert row["diff"] == pytest.approx(-r_weak / 2) and row["arm_better"] == "3/3" and row["seeds"] == 3
@@ -295,36 +301,40 @@ def test_aggregation_and_report(tmp_path):
     assert comp.loc[("cf", "last 2 steps"), "agents"] == len(best.spec.agents)
     assert comp.loc[("cf", "last 2 steps"), "expected_reward"] == pytest.approx(best.expected_reward)
     assert comp.loc[("global", "first 2 steps"), "agents"] == pytest.approx((len(best.spec.agents) + 2) / 2)
-    e = comp.loc[("edge", "first 1 steps")]  # one valid weak spec (2 agents, a medium solver read by a decider), one invalid
+    # one valid weak spec (2 agents, a medium solver read by a decider), one invalid
+    e = comp.loc[("edge", "first 1 steps")]
     assert e["n"] == 2 and e["agents"] == 2 and e["final_large_solver"] == 0 and e["large_share"] == 0
     write_experiment(tmp_path, exp, WORLD, R, 4, ExecutorCaps(max_agents=4), "pytest tests/test_testbed.py")
     md = write_report(tmp_path, exp, WORLD).read_text()
-    assert "SIMULATED" in md and "| cf |" in md and "pytest tests/test_testbed.py" in md and "| cf | global | final_regret" in md
+    assert ("SIMULATED" in md and "| cf |" in md and "pytest tests/test_testbed.py" in md
+            and "| cf | global | final_regret" in md)
     for png in ("curves.png", "summary.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 10_000
 
 
 def test_experiment_record_merges_invocations_of_one_config_and_refuses_another(tmp_path):
-    """One folder filled arm by arm (experiments/testbed_chain.sh): experiment.json keeps one record whose arms and seeds are the
-    union and whose commands are all kept, in order; a different budget in the same folder is refused by name."""
+    """One folder filled arm by arm (experiments/testbed_chain.sh): experiment.json keeps one record whose arms and
+    seeds are the union and whose commands are all kept, in order; a different budget in the same folder is refused by
+    name."""
     caps = ExecutorCaps(max_agents=4)
     base = ExperimentConfig(world="two", arms=("cf", "global"), seeds=(0, 1), max_steps=3)
     write_experiment(tmp_path, base, WORLD, R, 4, caps, "cmd one")
-    rec = write_experiment(tmp_path, ExperimentConfig(world="two", arms=("edge", "cf"), seeds=(2,), max_steps=3), WORLD, R, 4,
-                           caps, "cmd two")
+    rec = write_experiment(tmp_path, ExperimentConfig(world="two", arms=("edge", "cf"), seeds=(2,), max_steps=3), WORLD,
+                           R, 4, caps, "cmd two")
     assert rec["config"]["arms"] == ["cf", "global", "edge"] and rec["config"]["seeds"] == [0, 1, 2]
     assert rec["commands"] == ["cmd one", "cmd two"] and rec["command"] == "cmd two"
     assert json.loads((tmp_path / "experiment.json").read_text()) == rec
     with pytest.raises(ValueError, match=r"max_steps"):
-        write_experiment(tmp_path, ExperimentConfig(world="two", arms=("role",), max_steps=4), WORLD, R, 4, caps, "cmd three")
+        write_experiment(tmp_path, ExperimentConfig(world="two", arms=("role",), max_steps=4), WORLD, R, 4, caps,
+                         "cmd three")
     assert json.loads((tmp_path / "experiment.json").read_text()) == rec  # the refused call wrote nothing
 
 
-# ---- exact scoring (lemon.testbed.exact) ---------------------------------------------------------------------------------
+# ---- exact scoring (lemon.testbed.exact) -----------------------------------------------------------------------------
 def test_exact_scorer_rewards_and_deltas_are_the_worlds_expected_values():
-    """The trainer's scorer with exact scoring: every rollout's reward is the world's expected reward of its spec (no worker
-    call), an invalid text gets r_invalid, and the counterfactual delta is the exact difference E[r(y)] - E[r(y')] of the
-    very edit the scorer drew (re-drawn here with the scorer's per-rollout RNG)."""
+    """The trainer's scorer with exact scoring: every rollout's reward is the world's expected reward of its spec (no
+    worker call), an invalid text gets r_invalid, and the counterfactual delta is the exact difference E[r(y)] -
+    E[r(y')] of the very edit the scorer drew (re-drawn here with the scorer's per-rollout RNG)."""
     from lemon.spec import parse_spec
     from lemon.testbed.exact import ExactScorer, exact_scorer_factory
     from lemon.train.edits import FamilySampler, sample_edit
@@ -338,13 +348,15 @@ def test_exact_scorer_rewards_and_deltas_are_the_worlds_expected_values():
                                         sampler=FamilySampler(), cf_lambda=1.0, max_agents=4, seed=3)
     assert isinstance(scorer, ExactScorer) and isinstance(scorer, SpecScorer)
     specs = [spec(A("a1", cap="large"), A("a2", ["a1"], cap="large", base="verifier")),
-             spec(A("a1", cap="medium"), A("a2", ["a1"], cap="small", base="critic"), A("a3", ["a2", "a1"], base="decider")),
+             spec(A("a1", cap="medium"), A("a2", ["a1"], cap="small", base="critic"),
+                  A("a3", ["a2", "a1"], base="decider")),
              spec(A("a1", cap="small", duty=P.default_duty("solver")))]
     texts = [s.to_yaml() for s in specs] + ["agents: [oops"]
     rolls = scorer.score([(ex.id, t, [ord(c) for c in t], 0, 0) for t in texts], step=1)  # char "tokens": exact decode
     for r, s in zip(rolls, specs):
         ev = TINY.evaluate(s, ex, R, caps)
-        assert r.valid and r.total == pytest.approx(ev.expected_reward) and r.reward.success == pytest.approx(ev.p_success)
+        assert (r.valid and r.total == pytest.approx(ev.expected_reward)
+                and r.reward.success == pytest.approx(ev.p_success))
         assert r.reward.worker_tokens == ev.tokens and r.tokens_spent == 0
     assert rolls[0].total > rolls[2].total > 0  # a large checked solver is worth more than a small base-duty one
     assert not rolls[3].valid and rolls[3].total == R.r_invalid

@@ -1,11 +1,13 @@
-"""An expected-number test in nanochat's spirit (issue 13): CF-GRPO trains the REAL policy (SmolLM2-135M + LoRA, the real
-prompts, grammar, parser, edits and TRL trainer) on the tiny known-optimum testbed, and its greedy specs on held-out questions
-get better. Only the workers are simulated (lemon.testbed.sim); every rollout and CF edit is scored with the world's exact
-expected reward (lemon.testbed.exact), so the one source of noise left is the policy's own sampling.
+"""An expected-number test in nanochat's spirit (issue 13): CF-GRPO trains the REAL policy (SmolLM2-135M + LoRA, the
+real prompts, grammar, parser, edits and TRL trainer) on the tiny known-optimum testbed, and its greedy specs on
+held-out questions get better. Only the workers are simulated (lemon.testbed.sim); every rollout and CF edit is scored
+with the world's exact expected reward (lemon.testbed.exact), so the one source of noise left is the policy's own
+sampling.
 
 Slow (~17 min on 2 idle cores): the format SFT warm start (~7 min; lemon.testbed.warm), 5 CF-GRPO steps of 2 questions x
-G=4 (~90 s each) and two greedy held-out passes. The same configuration, run for 10 steps with 3 seeds per arm, is the reference
-comparison in outputs/reference/testbed-tiny-20261202/ (experiments/testbed_run.py; its README names the command).
+G=4 (~90 s each) and two greedy held-out passes. The same configuration, run for 10 steps with 3 seeds per arm, is the
+reference comparison in outputs/reference/testbed-tiny-20261202/ (experiments/testbed_run.py; its README names the
+command).
 """
 from dataclasses import replace
 
@@ -46,7 +48,8 @@ def test_cf_grpo_improves_the_policy_on_the_tiny_testbed(tmp_path):
     assert list(held.index) == [0, STEPS] and (held["n"] == exp.heldout_questions).all()
     assert held.loc[0, "valid"] == 1.0 and held.loc[STEPS, "valid"] == 1.0  # grammar-constrained greedy specs
     gain = held.loc[STEPS, "expected_reward"] - held.loc[0, "expected_reward"]
-    assert gain >= MIN_GAIN, f"held-out greedy expected reward rose by only {gain:+.3f} in {STEPS} steps (want >= {MIN_GAIN})"
+    assert gain >= MIN_GAIN, (f"held-out greedy expected reward rose by only {gain:+.3f} in {STEPS} steps "
+                              f"(want >= {MIN_GAIN})")
     assert held.loc[STEPS, "regret"] < held.loc[0, "regret"]
     # every step trained on a full batch of scored samples
     assert len(samples) == STEPS and (samples["n"] == OVERRIDES["batch_size"]).all()

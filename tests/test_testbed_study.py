@@ -191,8 +191,8 @@ def _write_seeds(root, seeds):
 
 
 def test_two_processes_merging_one_experiment_folder_lose_no_seed(tmp_path):
-    """experiments/mechanisms.sh can run two chains in one world folder: experiment.json's read-merge-write is locked and
-    atomic, so every seed and command either process recorded survives (an unlocked merge loses updates)."""
+    """experiments/mechanisms.sh can run two chains in one world folder: experiment.json's read-merge-write is locked
+    and atomic, so every seed and command either process recorded survives (an unlocked merge loses updates)."""
     import multiprocessing as mp
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_write_seeds, args=(tmp_path, range(k, 40, 2))) for k in (0, 1)]

@@ -1,9 +1,10 @@
-"""The testbed's worlds where DIFFERENT spec fields carry the reward (issue 30, part 3; lemon.testbed.world): exact optima,
-which edit families' contrasts pay on each optimum, and the best single fixed spec of the mixed world.
+"""The testbed's worlds where DIFFERENT spec fields carry the reward (issue 30, part 3; lemon.testbed.world): exact
+optima, which edit families' contrasts pay on each optimum, and the best single fixed spec of the mixed world.
 
-Every number here is exact (lemon.testbed.world enumerates outcome distributions; no sampling); the constants were computed
-by this very code (2026-12-04) and are what the worlds' comments claim. Reward: the trainer's default (gated) with
-max_agents 3 as the smoke preset trains them; caps fitted to the sim as lemon.testbed.experiment.train_config fits them."""
+Every number here is exact (lemon.testbed.world enumerates outcome distributions; no sampling); the constants were
+computed by this very code (2026-12-04) and are what the worlds' comments claim. Reward: the trainer's default (gated)
+with max_agents 3 as the smoke preset trains them; caps fitted to the sim as lemon.testbed.experiment.train_config fits
+them."""
 import pytest
 
 from lemon.prompts import default_prompts
@@ -75,14 +76,14 @@ def test_mixed_world_needs_a_policy_that_reads_the_question():
 
 
 def _duty_spec(duty: str):
-    return parse_spec(f'agents:\n  - id: a1\n    base_role: solver\n    role: "S"\n    duty: "{duty}"\n    capacity: large\n'
-                      f'    depends_on: []\nfinal: a1\n', base_roles=P.roles_for("math"))
+    return parse_spec(f'agents:\n  - id: a1\n    base_role: solver\n    role: "S"\n    duty: "{duty}"\n    '
+                      f'capacity: large\n    depends_on: []\nfinal: a1\n', base_roles=P.roles_for("math"))
 
 
 def test_a_duty_pays_only_when_it_names_what_the_world_rewards_so_role_edits_cut_both_ways():
-    """The duty world rewards a solver duty naming 're'; the default duty is neutral; any other customized duty costs. So
-    the role edit (m_R: duty -> the base role's default) has a NEGATIVE delta on a duty that names nothing (under the old
-    rule every customized duty paid and no m_R delta was ever negative)."""
+    """The duty world rewards a solver duty naming 're'; the default duty is neutral; any other customized duty costs.
+    So the role edit (m_R: duty -> the base role's default) has a NEGATIVE delta on a duty that names nothing (under the
+    old rule every customized duty paid and no m_R delta was ever negative)."""
     world = duty_world(P, n=5)
     reward, caps = _setup(world)
     ex = world.examples()[0]

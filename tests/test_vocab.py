@@ -1,5 +1,6 @@
-"""The testbed's small BPE (lemon.testbed.vocab): built from the project's own text, round-trips every spec and prompt, is
-read by llguidance (grammar-constrained samples parse), and a random policy drawn on it is the random-tiny-bpe base."""
+"""The testbed's small BPE (lemon.testbed.vocab): built from the project's own text, round-trips every spec and prompt,
+is read by llguidance (grammar-constrained samples parse), and a random policy drawn on it is the random-tiny-bpe
+base."""
 import pytest
 
 pytest.importorskip("tokenizers")
@@ -46,7 +47,8 @@ def test_grammar_samples_on_the_small_vocab_parse(tok):
     from lemon.spec.grammar import SpecGrammar
     path = cached_random_policy(0, tokenizer_dir=small_tokenizer_dir(2048, P))
     assert "testbed-bpe2048" in path.name
-    model, tk = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=8, lora_alpha=16, dtype="fp32"))
+    model, tk = load_policy(PolicyConfig(model=str(path), backend="transformers", lora_r=8, lora_alpha=16,
+                                         dtype="fp32"))
     assert model.get_output_embeddings().weight.shape[0] == 2048
     msgs = [orchestrator_messages(e.question, "math", P, 3) for e in B.pool("gsm8k", "train")[:2]]
     g = GrammarConstraint(SpecGrammar.for_domain(P, "math", max_agents=3, role_chars=12, duty_chars=16))

@@ -47,7 +47,8 @@ def n_calls(insp):
 
 
 def fields(spec):
-    return {(a.id, f): getattr(a, f) for a in spec.agents for f in ("base_role", "role", "duty", "capacity", "depends_on")}
+    return {(a.id, f): getattr(a, f) for a in spec.agents
+            for f in ("base_role", "role", "duty", "capacity", "depends_on")}
 
 
 def changed(a, b):
@@ -86,7 +87,8 @@ def test_edge_edit_changes_exactly_that_field_then_run_hits_cache():
     insp.family.value, insp.site.value = "edge", ("fin", "plan")
     insp.apply_button.click()
     assert insp.last_error is None and changed(insp.original, insp.current) == {("fin", "depends_on")}
-    assert insp.current.agent("fin").depends_on == ("solve",) and insp.original.agent("fin").depends_on == ("plan", "solve")
+    assert (insp.current.agent("fin").depends_on == ("solve",)
+            and insp.original.agent("fin").depends_on == ("plan", "solve"))
     assert ("fin", "plan") not in [v for _, v in insp.site.options]  # sites follow the current spec
     assert "background:#fff3b0" in insp.last_html["table"] and "edge: drop plan → fin" in insp.last_html["result"]
     insp.run_button.click()
@@ -100,7 +102,8 @@ def test_edge_edit_changes_exactly_that_field_then_run_hits_cache():
     assert s["delta_reward"] == pytest.approx(s["reward"] - s["original"]["reward"])
     res = insp.last_html["result"]
     assert f"{s['delta_tokens']:+d}" in res and "cache hits 2: plan, solve" in res and "Answer: 5" in res
-    assert "hit" in insp.last_html["table"] and "cached" in " ".join(t.get_text() for t in insp.last_figure.axes[0].texts)
+    assert ("hit" in insp.last_html["table"]
+            and "cached" in " ".join(t.get_text() for t in insp.last_figure.axes[0].texts))
 
 
 def test_capacity_edit_any_level_and_role_edit():
@@ -108,7 +111,8 @@ def test_capacity_edit_any_level_and_role_edit():
     insp.family.value = "capacity"
     insp.site.value, insp.target.value = ("plan",), "large"  # raising is allowed, not only m_L
     insp.apply_button.click()
-    assert changed(insp.original, insp.current) == {("plan", "capacity")} and insp.current.agent("plan").capacity == "large"
+    assert changed(insp.original,
+                   insp.current) == {("plan", "capacity")} and insp.current.agent("plan").capacity == "large"
     s = insp.run()
     assert s["cache_hits"] == 0 and s["recomputed_ids"] == ["plan", "solve", "fin"]  # the root changed: all downstream
     assert insp.cur_trace.agents[0].model == "fake-large" and "large" in insp.cur_trace.agents[0].output
@@ -158,8 +162,9 @@ def test_errors_in_callbacks_are_shown_not_raised():
 
 
 def test_draw_spec_a_lone_agent_is_a_box_not_a_sliver():
-    """A trained policy that writes one agent (the cpu main job's) was drawn as a tall sliver with its label spilling out,
-    and constrained layout gave up ('axes sizes collapsed to zero'): the figure is legend-wide and the aspect equal."""
+    """A trained policy that writes one agent (the cpu main job's) was drawn as a tall sliver with its label spilling
+    out, and constrained layout gave up ('axes sizes collapsed to zero'): the figure is legend-wide and the aspect
+    equal."""
     one = spec_from_dict({"agents": [{"id": "a1", "base_role": "solver", "role": "Solving the problem step by step",
                                       "duty": "Solve it.", "capacity": "large"}]})
     fig = draw_spec(one)
@@ -209,7 +214,8 @@ def test_agents_table_escapes_html():
 def test_real_model_inspector_run():
     from lemon.benchmarks import load
     # one managed llama-server for every capacity (identical entries share it)
-    pool = WorkerPool.from_config({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2, "ctx_per_slot": 2048}
+    pool = WorkerPool.from_config({**{c: {"backend": "llama_server", "model": "smollm2-135m", "slots": 2,
+                                          "ctx_per_slot": 2048}
                                       for c in CAPACITIES}, "max_tokens": {c: 24 for c in CAPACITIES}})
     try:
         insp = SpecInspector(SPEC, load("gsm8k", "test")[0], GSM, pool, prompts=P)

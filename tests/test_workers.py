@@ -1,6 +1,6 @@
 """Worker backends and pool: the real 135M model behind a managed llama-server (usage, stop, length, constrained output,
-concurrency, a server killed mid-run), a stub HTTP server for the OpenAI error paths, retry and recovery, transformers, the
-fake double, the pool and the meter. Server lifecycle (crash/restart, orphans) is in test_servers.py."""
+concurrency, a server killed mid-run), a stub HTTP server for the OpenAI error paths, retry and recovery, transformers,
+the fake double, the pool and the meter. Server lifecycle (crash/restart, orphans) is in test_servers.py."""
 import dataclasses
 import http.server
 import json
@@ -44,11 +44,13 @@ def _tokens(backend, text: str) -> int:
 
 def test_sampling_params_validate_and_key():
     p = SamplingParams(stop=["\n", "END"], json_schema={"type": "object"})
-    assert p.stop == ("\n", "END") and hash(p) == hash(SamplingParams(stop=("\n", "END"), json_schema={"type": "object"}))
+    assert p.stop == ("\n", "END") and hash(p) == hash(SamplingParams(stop=("\n", "END"),
+                                                                      json_schema={"type": "object"}))
     assert json.loads(p.key())["stop"] == ["\n", "END"] and p.key() == dataclasses.replace(p).key()
     assert SamplingParams(seed=1).key() != SamplingParams(seed=2).key()
     for bad in (dict(max_tokens=0), dict(max_tokens=1.5), dict(temperature=-0.1), dict(temperature=2.5),
-                dict(top_p=0), dict(top_p=1.2), dict(seed=-1), dict(stop="\n"), dict(stop=("",)), dict(json_schema="{}")):
+                dict(top_p=0), dict(top_p=1.2), dict(seed=-1), dict(stop="\n"), dict(stop=("",)),
+                dict(json_schema="{}")):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert Completion("x", 3, 4, 0.1, "m", "fake").total_tokens == 7
@@ -85,7 +87,8 @@ def test_llama_stop_and_length(small):
 
 @pytest.mark.slow
 def test_llama_json_schema(small):
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "reason": {"type": "string", "maxLength": 40}},
+    schema = {"type": "object",
+              "properties": {"answer": {"type": "integer"}, "reason": {"type": "string", "maxLength": 40}},
               "required": ["answer", "reason"], "additionalProperties": False}
     c = small.chat([{"role": "user", "content": "What is 2 + 3? Reply in JSON."}],
                    SamplingParams(max_tokens=64, json_schema=schema))
@@ -314,7 +317,8 @@ class socket_closed_port:
 
 @pytest.fixture
 def llama_server(tmp_path):
-    """A llama-server that nobody restarts (the backend below gets no `recover`): an external server as in workers.yaml."""
+    """A llama-server that nobody restarts (the backend below gets no `recover`): an external server as in
+    workers.yaml."""
     m = ServerManager(tmp_path)
     m.add_shipped(SMALL, ServerConfig(slots=1, ctx_per_slot=2048))
     m.start()
@@ -329,7 +333,8 @@ def test_openai_real_server_killed_mid_run(llama_server):
     be = OpenAIBackend(url, SMALL, timeout_s=60, max_retries=3, backoff_s=0.2,
                        on_retry=lambda attempt, e, delay: retries.append((attempt, type(e).__name__, delay)))
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
-    c = be.chat([{"role": "user", "content": "What is 2 + 3? Reply in JSON."}], SamplingParams(max_tokens=32, json_schema=schema))
+    c = be.chat([{"role": "user", "content": "What is 2 + 3? Reply in JSON."}],
+                SamplingParams(max_tokens=32, json_schema=schema))
     assert isinstance(json.loads(c.text)["answer"], int) and c.prompt_tokens > 0 and c.backend == "openai"
     killer = threading.Timer(0.5, proc.kill)  # the server dies while the 3rd of 5 requests is generating
     t_fail = None
@@ -367,7 +372,8 @@ def test_transformers_backend_counts_tokens(tmp_path):
     import torch
     gguf = get_model(SMALL)
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # A tiny random Llama over the real tokenizer: exercises templating, generation and counting in a second, not minutes.
+    # A tiny random Llama over the real tokenizer: exercises templating, generation and counting in a second, not
+    # minutes.
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id,

@@ -1,14 +1,14 @@
 """The real-worker CF-GRPO vs global-GRPO comparison (issue 13, deliverable 2) as a chain of session-sized legs.
 
-One run of the comparison is ~10 h of 2 cores; a session here has 3 h and keeps nothing but git. So the work is cut where
-what crosses a session boundary is small text: the SFT corpus (both arms rebuild the same warm start from it, and the
-adapter's sha256 is checked against the first leg's), each arm's training record (metrics, rollouts) and each trained
-policy's greedy specs for the evaluation and dev questions (a spec is ~150 tokens of YAML). Executing specs on the
-workers, the baselines and the comparison need no adapter and run in any later leg, resumably. The logic lives in
+One run of the comparison is ~10 h of 2 cores; a session here has 3 h and keeps nothing but git. So the work is cut
+where what crosses a session boundary is small text: the SFT corpus (both arms rebuild the same warm start from it, and
+the adapter's sha256 is checked against the first leg's), each arm's training record (metrics, rollouts) and each
+trained policy's greedy specs for the evaluation and dev questions (a spec is ~150 tokens of YAML). Executing specs on
+the workers, the baselines and the comparison need no adapter and run in any later leg, resumably. The logic lives in
 experiments.duel.legs; this script is its command line.
 
-    .venv/bin/python -m experiments.duel train --arm cf       # leg 1: SFT corpus + warm start, 10 CF-GRPO steps, greedy specs
-    .venv/bin/python -m experiments.duel train --arm global   # leg 2: the same warm start (from the committed corpus), lambda = 0
+    .venv/bin/python -m experiments.duel train --arm cf       # leg 1: SFT corpus + warm start, 10 steps, specs
+    .venv/bin/python -m experiments.duel train --arm global   # leg 2: the committed corpus's warm start, lambda 0
     .venv/bin/python -m experiments.duel status               # what is done, what is missing, and the command for each
     # a training-curve replicate in its own folders (global options go before the command):
     .venv/bin/python -m experiments.duel --seed 1 --steps 6 --dev-steps '' --work outputs/duel-cpu-seed1 \
@@ -37,14 +37,15 @@ def main(argv=None) -> int:
     e = sub.add_parser("exec", help="execute a policy's recorded specs, or run a baseline, on the eval sample")
     e.add_argument("methods", nargs="+", help="sft | cf | global | a study eval method (cot@large, sc-cot@medium, ...)")
     e.add_argument("--concurrency", type=int, default=1,
-                   help="questions in flight: the servers batch them, ~1.1-1.3x on 2 cores (LOG.md 2026-12-01). Seeds do "
-                        "not depend on it, but batched float sums can flip a greedy token now and then; legs.jsonl "
-                        "records each leg's value (the policies' rows ran at 1)")
+                   help="questions in flight: the servers batch them, ~1.1-1.3x on 2 cores (LOG.md "
+                        "2026-12-01). Seeds do not depend on it, but batched float sums can flip a greedy token now "
+                        "and then; legs.jsonl records each leg's value (the policies' rows ran at 1)")
     sub.add_parser("report", help="paired comparisons, learning curves, spec composition, plots -> ref/summary.md")
     sub.add_parser("status", help="what is missing, with the command for each")
     # A replicate (another seed, fewer steps) needs its own folders; ref/config.json refuses a mix.
     dflt = DuelConfig()
-    ap.add_argument("--seed", type=int, default=dflt.seed, help="seeds data samples, SFT corpus, training, worker calls")
+    ap.add_argument("--seed", type=int, default=dflt.seed,
+                    help="seeds data samples, SFT corpus, training, worker calls")
     ap.add_argument("--steps", type=int, default=dflt.steps, help="training steps per arm")
     ap.add_argument("--dev-steps", default=",".join(map(str, dflt.dev_steps)),
                     help="comma-separated even checkpoints whose greedy dev specs are written ('' for none)")

@@ -3,9 +3,10 @@
 Why legs: the comparison is ~10 h of 2 cores (two training arms of ~1 h, ~13 s per greedy spec, ~10-40 s per executed
 question for ~8 methods on 150 questions) and a session here has 3 h with nothing kept but git. Every leg leaves only
 small text in `ref` (outputs/reference/duel-...): the SFT corpus, each arm's training record, each trained policy's
-greedy specs for the evaluation and dev questions, per-question results. Adapters and checkpoints stay in the work folder
-(outputs/duel-cpu, gitignored) and are rebuilt when needed: the warm start from the committed corpus (its adapter sha256
-is compared with the first leg's, so both arms provably start from the same weights, or the mismatch is reported).
+greedy specs for the evaluation and dev questions, per-question results. Adapters and checkpoints stay in the work
+folder (outputs/duel-cpu, gitignored) and are rebuilt when needed: the warm start from the committed corpus (its adapter
+sha256 is compared with the first leg's, so both arms provably start from the same weights, or the mismatch is
+reported).
 
 The work folder uses the study's layout (lemon.study.runner.StudyPaths; the `cpu-long` profile's config with `steps`
 CF-GRPO steps): the CF arm is train/grpo, the global arm ablations/variants/global, both from train/sft, so the study's
@@ -49,7 +50,8 @@ class DuelConfig:
     dev_n: int = 5
     """Held-out TRAIN-pool questions per math benchmark for the learning curve (never trained on)."""
     dev_steps: tuple[int, ...] = (4,)
-    """Checkpoints (besides step 0 = the warm start and the final step) whose greedy specs are written for the dev set."""
+    """Checkpoints (besides step 0 = the warm start and the final step) whose greedy specs are written for the dev
+    set."""
     seed: int = 0
     """Seeds data samples, training, and every worker call (both arms alike)."""
     work: str = "outputs/duel-cpu"
@@ -90,7 +92,8 @@ def arm_dir(d: DuelConfig, arm: str) -> Path:
 
 
 def cpu_id() -> str:
-    """The CPU's model name and a digest of its flags: float results (so a rebuilt adapter's bits) can differ across CPUs."""
+    """The CPU's model name and a digest of its flags: float results (so a rebuilt adapter's bits) can differ across
+    CPUs."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     field = lambda k: next((x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith(k)), "?")  # noqa: E731
     return f"{field('model name')} flags:{hashlib.sha256(field('flags').encode()).hexdigest()[:8]}"
@@ -113,15 +116,18 @@ def check_config(d: DuelConfig) -> None:
     leg with another config (say a second seed pointed at the same folder) is refused instead of mixing the two."""
     from dataclasses import asdict
     if not (d.refdir / "config.json").exists() and (d.refdir / "legs.jsonl").exists() and d != DuelConfig():
-        raise ValueError(f"{d.refdir} predates config.json and was written by the default DuelConfig; this leg's is {d}")
+        raise ValueError(f"{d.refdir} predates config.json and was written by the default DuelConfig; this "
+                         f"leg's is {d}")
     guard_config(d.refdir, asdict(d), "comparison", "give this one its own --work and --ref")
 
 
 def log_event(d: DuelConfig, **kw) -> None:
-    """One line per leg action in ref/legs.jsonl: what ran, when, at which commit, on which CPU (the chain's manifest)."""
+    """One line per leg action in ref/legs.jsonl: what ran, when, at which commit, on which CPU (the chain's
+    manifest)."""
     check_config(d)
     with open(d.refdir / "legs.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": git_sha(), "cpu": cpu_id(), **kw}) + "\n")
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "git": git_sha(), "cpu": cpu_id(), **kw})
+                + "\n")
 
 
 def ensure_data(d: DuelConfig) -> dict:
@@ -277,8 +283,8 @@ class ReplayWriter:
         from lemon.spec import SpecError, parse_spec
         r = self.rows.get(qkey(task))
         if r is None:
-            raise KeyError(f"{self.path} has no spec for this question (sha256 {qkey(task)[:12]}): the specs were written "
-                           "for another question sample")
+            raise KeyError(f"{self.path} has no spec for this question (sha256 {qkey(task)[:12]}): the specs "
+                           "were written for another question sample")
         try:
             spec = parse_spec(r["text"], base_roles=prompts.roles_for(domain), max_agents=self.max_agents)
             return SpecProposal(r["text"], spec, None, None, r["prompt_tokens"], r["completion_tokens"])
@@ -300,14 +306,16 @@ def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = Tr
     """Evaluate one method on the eval sample into ref/eval/<method>/<benchmark>/ (resumable): a policy (sft / cf /
     global: its recorded final specs, executed) or any study eval method without an adapter (cot@large, sc-cot@medium,
     complete@medium, prompted, ...). For a policy also its dev-set specs at every recorded step, into ref/dev/.
-    concurrency: questions in flight (seeds do not depend on it; a server's batched decode can still flip a greedy token)."""
+    concurrency: questions in flight (seeds do not depend on it; a server's batched decode can still flip a greedy
+    token)."""
     from lemon.study.config import FIXED
     from lemon.study.stages import evaluate, select_fixed
     cfg, sets = d.study(), question_sets(d)
     sums = []
     if method not in POLICIES:
         run_as = method
-        if method == FIXED:  # chosen on TRAIN-pool questions; the choice and its candidates' rows are kept in ref/select
+        # chosen on TRAIN-pool questions; the choice and its candidates' rows are kept in ref/select
+        if method == FIXED:
             # best-fixed IS the chosen method on the same questions, seed and workers: its eval rows are the chosen
             # method's own (eval/<chosen>/, resumed if that method already ran), not a second execution of it; the
             # report shows the row as "best-fixed (= <chosen>)" (duel_report.evaluated)
@@ -317,7 +325,8 @@ def run_method(d: DuelConfig, method: str, prompts, pool, *, progress: bool = Tr
     else:
         for step, _, which in spec_points(d, method):
             for w in which:
-                writer = ReplayWriter(spec_file(d, method, step, w), f"replay:{method}-step{step}", cfg.train.max_agents)
+                writer = ReplayWriter(spec_file(d, method, step, w), f"replay:{method}-step{step}",
+                                      cfg.train.max_agents)
                 s = evaluate(cfg, d.paths, method, sets[w], pool, prompts, writer=writer, progress=progress,
                              concurrency=concurrency,
                              out_of=lambda b, w=w, step=step: eval_dir(d, method, b, w, step),

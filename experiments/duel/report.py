@@ -1,5 +1,5 @@
-"""summary.md and plots of the real-worker CF vs global comparison (experiments.duel.legs), from ref/ alone: whatever legs
-have run, it reports what exists and lists what is missing (nothing is filled in or skipped silently).
+"""summary.md and plots of the real-worker CF vs global comparison (experiments.duel.legs), from ref/ alone: whatever
+legs have run, it reports what exists and lists what is missing (nothing is filled in or skipped silently).
 
 Sections, most decisive first: the paired comparisons on the EVAL-pool sample (CF vs global, each vs the warm start, vs
 each baseline; bootstrap CI within benchmarks, McNemar, lemon.study.compare), the dev-set learning curves, training
@@ -26,7 +26,8 @@ def evaluated(d: DuelConfig) -> dict[str, dict[str, list[dict]]]:
     """{method: {benchmark: rows}} of every method with results on the eval sample, policies first."""
     root = d.refdir / "eval"
     found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
-    order = [m for m in (*POLICIES, *BASELINE_ORDER) if m in found] + [m for m in found if m not in (*POLICIES, *BASELINE_ORDER)]
+    order = ([m for m in (*POLICIES, *BASELINE_ORDER) if m in found]
+             + [m for m in found if m not in (*POLICIES, *BASELINE_ORDER)])
     out = {m: load_rows({b: eval_dir(d, m, b) for b in d.study().benchmarks}) for m in order}
     chosen = fixed_choice(d)
     if chosen and out.get(chosen):  # best-fixed's rows are the chosen method's (duel.run_method), named as such
@@ -82,7 +83,8 @@ def dev_curves(d: DuelConfig) -> pd.DataFrame:
                 continue
             rs = [r for b in benches for r in read_rows(eval_dir(d, arm, b, "dev", step) / "results.jsonl")]
             if rs:
-                rows.append({"policy": arm, "step": step, "n": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs),
+                rows.append({"policy": arm, "step": step, "n": len(rs),
+                             "accuracy": sum(r["correct"] for r in rs) / len(rs),
                              "worker tokens": sum(r["tokens"] for r in rs) / len(rs)})
     return pd.DataFrame(rows)
 
@@ -104,7 +106,8 @@ def training_curves(d: DuelConfig) -> pd.DataFrame:
                 texts = [r["text"] for r in roll if r["step"] == m["step"] and r.get("kept", True)]
                 rows.append({"arm": arm, "step": m["step"], "reward": m["reward"], "success": m.get("rollouts/success"),
                              "large share": capacity_share(texts), "cf active": m.get("cf/active"),
-                             "sample+score+cf s": sum(m.get(k, 0) or 0 for k in ("step/sample_s", "step/score_s", "step/cf_s"))})
+                             "sample+score+cf s": sum(m.get(k, 0) or 0
+                                                      for k in ("step/sample_s", "step/score_s", "step/cf_s"))})
     return pd.DataFrame(rows)
 
 
@@ -141,8 +144,8 @@ def missing(d: DuelConfig) -> list[str]:
                 rows = read_rows(spec_file(d, arm, step, w))
                 n, shas = len(rows), sorted({r["adapter_sha256"][:12] for r in rows})
                 if len(shas) > 1:  # e.g. a warm start rebuilt on another CPU finished the file: not one policy's specs
-                    out.append(f"{arm} step {step} {w} specs come from {len(shas)} different adapters ({', '.join(shas)}): "
-                               f"rewrite them with one (delete the file, rerun `{cli(d)} specs`)")
+                    out.append(f"{arm} step {step} {w} specs come from {len(shas)} different adapters "
+                               f"({', '.join(shas)}): rewrite them with one (delete the file, rerun `{cli(d)} specs`)")
                 if n < need[w]:
                     out.append(f"{arm} step {step}: {n}/{need[w]} {w} specs (`{cli(d)} specs --arm {arm}`, needs the "
                                f"adapter: same machine as its training)")
@@ -175,7 +178,8 @@ def plots(d: DuelConfig, ev: dict, dev: pd.DataFrame, tr: pd.DataFrame) -> list[
     if not dev.empty:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         sft = dev[dev.policy == "sft"]
-        style = {"cf": dict(ls="-", marker="o", ms=9), "global": dict(ls="--", marker="s", ms=5)}  # equal curves stay visible
+        # equal curves stay visible
+        style = {"cf": dict(ls="-", marker="o", ms=9), "global": dict(ls="--", marker="s", ms=5)}
         for arm in ARMS:
             g = pd.concat([sft, dev[dev.policy == arm]]).sort_values("step")
             if len(g):
@@ -194,7 +198,8 @@ def plots(d: DuelConfig, ev: dict, dev: pd.DataFrame, tr: pd.DataFrame) -> list[
             ax.scatter(r["worker tokens"], r["accuracy"], color="C3" if r["method"] in POLICIES else "C0")
             ax.annotate(f"{r['method']} (n={r['n']})", (r["worker tokens"], r["accuracy"]), fontsize=8,
                         xytext=(4, 4), textcoords="offset points")
-        ax.set(xlabel="mean worker tokens per question", ylabel="accuracy", title="accuracy vs worker tokens (eval sample)")
+        ax.set(xlabel="mean worker tokens per question", ylabel="accuracy",
+               title="accuracy vs worker tokens (eval sample)")
         fig.tight_layout()
         fig.savefig(pdir / "pareto.png", dpi=110)
         plt.close(fig)
@@ -214,18 +219,18 @@ def report(d: DuelConfig, prompts) -> Path:
     legs = read_rows(d.refdir / "legs.jsonl")
     lines = [
         "# Real-worker CF-GRPO vs global GRPO (issue 13, deliverable 2)", "",
-        f"Config: {d}. Trainer: the `cpu-long` study profile's (policy {cfg.train.policy.model} + LoRA r={cfg.train.policy.lora_r}, "
-        f"G={cfg.train.num_generations}, {cfg.train.batch_size // cfg.train.num_generations} questions per step, lr "
-        f"{cfg.train.learning_rate}, gated reward, grammar-constrained rollouts) for {d.steps} steps per arm from one SFT "
-        f"warm start; cf_lambda 1.0 (cf) vs 0.0 (global). Workers: the embedded ladder on llama-server. Eval: "
-        f"{d.eval_n} seeded EVAL-pool questions per benchmark ({', '.join(cfg.benchmarks)}; seed {d.seed}); dev: "
-        f"{d.dev_n} held-out TRAIN-pool questions per benchmark. Regenerate: the commands in `legs.jsonl` order "
-        f"(`{cli(d)} train --arm cf`, `... train --arm global`, `... specs --arm sft`, `... exec sft cf global "
-        "cot@small ...`, `... report`).", "",
+        f"Config: {d}. Trainer: the `cpu-long` study profile's (policy {cfg.train.policy.model} + LoRA "
+        f"r={cfg.train.policy.lora_r}, G={cfg.train.num_generations}, "
+        f"{cfg.train.batch_size // cfg.train.num_generations} questions per step, lr {cfg.train.learning_rate}, gated "
+        f"reward, grammar-constrained rollouts) for {d.steps} steps per arm from one SFT warm start; cf_lambda 1.0 "
+        f"(cf) vs 0.0 (global). Workers: the embedded ladder on llama-server. Eval: {d.eval_n} seeded EVAL-pool "
+        f"questions per benchmark ({', '.join(cfg.benchmarks)}; seed {d.seed}); dev: {d.dev_n} held-out TRAIN-pool "
+        f"questions per benchmark. Regenerate: the commands in `legs.jsonl` order (`{cli(d)} train --arm cf`, `... "
+        "train --arm global`, `... specs --arm sft`, `... exec sft cf global cot@small ...`, `... report`).", "",
         "## Paired comparisons on the eval sample", "",
-        "delta = accuracy(A) - accuracy(B) on the questions both answered; 95% percentile bootstrap CI resampled within "
-        "benchmarks; 'A only / B only' = discordant questions; McNemar = exact two-sided test on them. A CI that includes 0 "
-        "means this n cannot tell them apart.", "", md(pt), "",
+        "delta = accuracy(A) - accuracy(B) on the questions both answered; 95% percentile bootstrap CI "
+        "resampled within benchmarks; 'A only / B only' = discordant questions; McNemar = exact two-sided test on "
+        "them. A CI that includes 0 means this n cannot tell them apart.", "", md(pt), "",
         "## Dev-set learning curves (held-out TRAIN-pool questions; step 0 = the warm start)", "", md(dev), "",
         "## Training (per step, kept rollouts)", "", md(tr), "",
         "## What the policies' greedy eval specs look like", "", md(comp), "",

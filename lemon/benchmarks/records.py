@@ -80,7 +80,8 @@ def _aqua(name, split, index, row) -> Example:
 def _mmlu(name, split, index, row) -> Example:
     options = tuple(str(c) for c in row["choices"])
     return Example(_id(name, split, index), name, split, render_options(row["question"], options),
-                   LETTERS[int(row["answer"])], {"options": options, "stem": row["question"], "subject": row["subject"]})
+                   LETTERS[int(row["answer"])],
+                   {"options": options, "stem": row["question"], "subject": row["subject"]})
 
 
 def _humaneval(name, split, index, row) -> Example:

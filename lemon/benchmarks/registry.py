@@ -87,8 +87,8 @@ def _make(r: BenchmarkRecord) -> Benchmark:
     elif r.kind == "code":
         conv = CODE_CONVENTION
     else:
-        raise ValueError(f"benchmark {r.name!r}: unknown answer kind {r.kind!r} (number, letter or code; a new kind needs "
-                         "code here and in answers.py)")
+        raise ValueError(f"benchmark {r.name!r}: unknown answer kind {r.kind!r} (number, letter or code; a "
+                         "new kind needs code here and in answers.py)")
     return Benchmark(r.name, r.domain, r.kind, conv, r.splits, r.hub_id, r.letters)
 
 

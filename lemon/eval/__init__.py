@@ -1,2 +1,2 @@
-"""Methods and their evaluation: baselines as specs (`baselines`), the orchestrator prompt and spec writers (`orchestrator`),
-the resumable eval runner (`runner`)."""
+"""Methods and their evaluation: baselines as specs (`baselines`), the orchestrator prompt and spec writers
+(`orchestrator`), the resumable eval runner (`runner`)."""

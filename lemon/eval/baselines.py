@@ -1,11 +1,12 @@
 """The paper's baselines, expressed as specs so that one executor runs (and meters) everything.
 
-Single agent: `vanilla` (answer directly), `cot` (think step by step), `sc-cot` (k CoT samples with different seeds at a sampling
-temperature, majority vote over the extracted answers; Wang et al., 2023). Fixed multi-agent topologies, as in the paper's
-multi-agent baselines (the AgentPrune / G-Designer family): `chain`, `tree`, `complete`, `random`, each ending in a final decision
-agent. `n_agents` counts every agent *including* the final one, so a baseline with n agents costs about what a LEMON spec with n
-agents costs, and `complete` has exactly n(n-1)/2 edges. Base roles come from the domain's part of the prompts file; every
-agent uses its base role's default duty (a fixed system has no task-specific duties: that is what LEMON adds, paper §3.1).
+Single agent: `vanilla` (answer directly), `cot` (think step by step), `sc-cot` (k CoT samples with different seeds at a
+sampling temperature, majority vote over the extracted answers; Wang et al., 2023). Fixed multi-agent topologies, as in
+the paper's multi-agent baselines (the AgentPrune / G-Designer family): `chain`, `tree`, `complete`, `random`, each
+ending in a final decision agent. `n_agents` counts every agent *including* the final one, so a baseline with n agents
+costs about what a LEMON spec with n agents costs, and `complete` has exactly n(n-1)/2 edges. Base roles come from the
+domain's part of the prompts file; every agent uses its base role's default duty (a fixed system has no task-specific
+duties: that is what LEMON adds, paper §3.1).
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from lemon.spec import MAX_AGENTS, Spec, spec_from_dict
 BASELINES = ("vanilla", "cot", "sc-cot", "chain", "tree", "complete", "random")
 MULTI_AGENT = ("chain", "tree", "complete", "random")
 
-# Domain -> worker base roles, cycled over the non-final agents (first = the domain's solver, so a 2-agent system solves).
+# Domain -> worker base roles, cycled over the non-final agents (first = the domain's solver, so a 2-agent system
+# solves).
 WORKER_ROLES = {"math": ("solver", "verifier", "calculator"), "knowledge": ("expert", "eliminator", "recaller"),
                 "code": ("coder", "reviewer", "tester")}
 SOLVER = {d: r[0] for d, r in WORKER_ROLES.items()}
-# The final decision agent: `decider` reads everything and answers; for code the answer must be a complete function, so the
-# domain's coder decides (a decider would tend to describe rather than write the code).
+# The final decision agent: `decider` reads everything and answers; for code the answer must be a complete function, so
+# the domain's coder decides (a decider would tend to describe rather than write the code).
 DECIDER = {"math": "decider", "knowledge": "decider", "code": "coder"}
 AGGREGATOR = {"math": "summarizer", "knowledge": "summarizer", "code": "reviewer"}  # the tree's middle level
 DIRECT_DUTY = {"math": "Give the final answer directly, without showing your work.",
@@ -48,14 +50,16 @@ def _check(name: str, domain: str, n_agents: int, prompts: Prompts) -> None:
     roles = prompts.roles_for(domain)  # raises ValueError for an unknown domain
     need = {*WORKER_ROLES[domain], DECIDER[domain], AGGREGATOR[domain]}
     if need - set(roles):
-        raise ValueError(f"prompts file {prompts.path} lacks base roles {sorted(need - set(roles))} for domain {domain!r}")
+        raise ValueError(f"prompts file {prompts.path} lacks base roles {sorted(need - set(roles))} for "
+                         f"domain {domain!r}")
     lo = 3 if name == "tree" else 2
     if name in MULTI_AGENT and not lo <= n_agents <= MAX_AGENTS:
         raise ValueError(f"{name} needs n_agents in {lo}..{MAX_AGENTS} (the final agent included), got {n_agents}")
 
 
 def _agent(aid: str, base_role: str, role: str, duty: str, capacity: str, deps=()) -> dict:
-    return {"id": aid, "base_role": base_role, "role": role, "duty": duty, "capacity": capacity, "depends_on": list(deps)}
+    return {"id": aid, "base_role": base_role, "role": role, "duty": duty, "capacity": capacity,
+            "depends_on": list(deps)}
 
 
 def _edges(name: str, n: int, seed: int, draw: str = "") -> list[list[int]]:
@@ -66,7 +70,8 @@ def _edges(name: str, n: int, seed: int, draw: str = "") -> list[list[int]]:
     if name == "complete":
         return [list(range(i)) for i in range(n)]
     if name == "tree":
-        # n-1 workers: leaves work independently, about a third aggregate (leaves dealt round-robin), one decider reads them.
+        # n-1 workers: leaves work independently, about a third aggregate (leaves dealt round-robin), one decider reads
+        # them.
         n_agg = max(1, (n - 1) // 3)
         n_leaf = n - 1 - n_agg
         parents = [[] for _ in range(n_leaf)]
@@ -84,8 +89,8 @@ def _edges(name: str, n: int, seed: int, draw: str = "") -> list[list[int]]:
 
 def baseline_spec(name: str, domain: str, *, capacity: str = "medium", n_agents: int = 4, seed: int = 0,
                   prompts: Prompts | None = None, draw: str = "") -> Spec:
-    """The spec of a baseline (for sc-cot: the single CoT spec that run_baseline samples k times). Validated by parse_spec.
-    `draw` only matters for `random`: it keys the DAG together with `seed` (see _edges)."""
+    """The spec of a baseline (for sc-cot: the single CoT spec that run_baseline samples k times). Validated by
+    parse_spec. `draw` only matters for `random`: it keys the DAG together with `seed` (see _edges)."""
     prompts = prompts or default_prompts()
     _check(name, domain, n_agents, prompts)
     duty = prompts.default_duty
@@ -109,9 +114,9 @@ def baseline_spec(name: str, domain: str, *, capacity: str = "medium", n_agents:
 
 
 def majority_vote(answers: list[str | None]) -> int | None:
-    """Index of the representative sample: the earliest sample whose answer is a mode of the non-None answers (so ties go to
-    the earliest sample). For HumanEval the answers are code strings, rarely equal: the vote then degrades to the first
-    sample with extractable code, which is the documented behaviour. None when no sample has an answer."""
+    """Index of the representative sample: the earliest sample whose answer is a mode of the non-None answers (so ties
+    go to the earliest sample). For HumanEval the answers are code strings, rarely equal: the vote then degrades to the
+    first sample with extractable code, which is the documented behaviour. None when no sample has an answer."""
     counts = Counter(a for a in answers if a is not None)
     if not counts:
         return None
@@ -121,28 +126,31 @@ def majority_vote(answers: list[str | None]) -> int | None:
 
 def example_spec(name: str, example, domain: str, *, prompts: Prompts, capacity: str = "medium", n_agents: int = 4,
                  seed: int = 0) -> Spec:
-    """The spec a baseline runs on one example. Only Random depends on the example: its DAG is keyed by (seed, example id),
-    so reruns and resumes redraw the same DAG. One fixed Random DAG per run would be one more fixed topology (with 3 agents,
-    seed 0 drew exactly Complete's DAG in outputs/reference/cpu-20261130); a DAG per question makes it a random-topology baseline."""
+    """The spec a baseline runs on one example. Only Random depends on the example: its DAG is keyed by (seed, example
+    id), so reruns and resumes redraw the same DAG. One fixed Random DAG per run would be one more fixed topology (with
+    3 agents, seed 0 drew exactly Complete's DAG in outputs/reference/cpu-20261130); a DAG per question makes it a
+    random-topology baseline."""
     return baseline_spec(name, domain, capacity=capacity, n_agents=n_agents, seed=seed, prompts=prompts,
                          draw=str(example.id) if name == "random" else "")
 
 
 def run_baseline(name: str, example, benchmark, pool, *, prompts: Prompts, capacity: str = "medium", n_agents: int = 4,
-                 k: int = 5, seed: int = 0, cache: NodeCache | None = None, caps: ExecutorCaps | None = None, meter=None,
-                 temperature: float = SC_COT_TEMPERATURE) -> Trace:
-    """Run one baseline on one example. sc-cot runs the CoT spec k times (seeds seed..seed+k-1, at `temperature`) and returns
-    one Trace: all samples' agents (ids prefixed s<i>/), summed tokens and latency, answer = majority vote, score = the score of
-    the representative sample (the earliest with the voted answer). Any sample's error is reported, and scores the vote 0."""
+                 k: int = 5, seed: int = 0, cache: NodeCache | None = None, caps: ExecutorCaps | None = None,
+                 meter=None, temperature: float = SC_COT_TEMPERATURE) -> Trace:
+    """Run one baseline on one example. sc-cot runs the CoT spec k times (seeds seed..seed+k-1, at `temperature`) and
+    returns one Trace: all samples' agents (ids prefixed s<i>/), summed tokens and latency, answer = majority vote,
+    score = the score of the representative sample (the earliest with the voted answer). Any sample's error is reported,
+    and scores the vote 0."""
     caps = caps or ExecutorCaps()
-    spec = example_spec(name, example, benchmark.domain, prompts=prompts, capacity=capacity, n_agents=n_agents, seed=seed)
+    spec = example_spec(name, example, benchmark.domain, prompts=prompts, capacity=capacity, n_agents=n_agents,
+                        seed=seed)
     if name != "sc-cot":
         return execute(spec, example, benchmark, pool, prompts=prompts, cache=cache, caps=caps, seed=seed, meter=meter)
     if k < 1:
         raise ValueError(f"sc-cot needs k >= 1 samples, got {k}")
     t0 = time.perf_counter()
-    samples = [execute(spec, example, benchmark, pool, prompts=prompts, cache=cache, caps=caps, seed=seed + i, meter=meter,
-                       sampling={"temperature": temperature}) for i in range(k)]
+    samples = [execute(spec, example, benchmark, pool, prompts=prompts, cache=cache, caps=caps, seed=seed + i,
+                       meter=meter, sampling={"temperature": temperature}) for i in range(k)]
     agents = []
     for i, s in enumerate(samples):
         for a in s.agents:
@@ -150,7 +158,8 @@ def run_baseline(name: str, example, benchmark, pool, *, prompts: Prompts, capac
             agents.append(a)
     errors = [f"sample {i}: {s.error}" for i, s in enumerate(samples) if s.error]
     rep = majority_vote([s.answer for s in samples])
-    out = Trace(agents=agents, tokens=sum(s.tokens for s in samples), nominal_tokens=sum(s.nominal_tokens for s in samples),
+    out = Trace(agents=agents, tokens=sum(s.tokens for s in samples),
+                nominal_tokens=sum(s.nominal_tokens for s in samples),
                 worker_latency_s=sum(s.worker_latency_s for s in samples),
                 budget_exceeded=all(s.budget_exceeded for s in samples), error="; ".join(errors) or None)
     if rep is not None and not errors:

@@ -58,8 +58,8 @@ class SpecProposal:
 
 def propose_spec(pool, task: str, domain: str, prompts: Prompts, cfg: OrchestratorConfig = OrchestratorConfig(),
                  seed: int = 0) -> SpecProposal:
-    """Ask the pool's `cfg.capacity` model for a spec. An invalid spec is returned (spec=None, error named), never raised:
-    the evaluator scores it 0 and keeps going, the trainer gives it r_invalid."""
+    """Ask the pool's `cfg.capacity` model for a spec. An invalid spec is returned (spec=None, error named), never
+    raised: the evaluator scores it 0 and keeps going, the trainer gives it r_invalid."""
     roles = prompts.roles_for(domain)
     extra = {"json_schema": json_schema(roles, cfg.max_agents)} if cfg.constrained else {}
     c = pool.chat(cfg.capacity, orchestrator_messages(task, domain, prompts, cfg.max_agents),
@@ -86,8 +86,8 @@ class PolicySpecWriter:
     """The trained orchestrator: a transformers policy (e.g. base model + LoRA adapter from lemon.train) writes the spec
     greedily, under the same spec grammar it was trained with (`constrained`; lemon.policy.rollout.sample_specs), so an
     evaluated spec is what the policy would write in training. Its prompt and completion tokens are counted like any
-    model's. `dtype` as in lemon.policy.rollout.sample_specs: 'model' (the loaded weights, fp32 on CPU: greedy evaluation is
-    exact) or 'autocast_bf16'."""
+    model's. `dtype` as in lemon.policy.rollout.sample_specs: 'model' (the loaded weights, fp32 on CPU: greedy
+    evaluation is exact) or 'autocast_bf16'."""
 
     def __init__(self, model, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), name: str = "policy", *,
                  constrained: bool = True, dtype: str = "model"):

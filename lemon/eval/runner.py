@@ -1,8 +1,8 @@
 """The eval runner: one method (a baseline, a spec file, or the orchestrator) on one benchmark split, resumable.
 
-Rows are appended to `results.jsonl` and fsync'ed one by one, so a run killed at any moment (kill -9 included) loses at most
-the example in flight; the same command resumes, skipping finished ids and repairing a torn last line. A run folder belongs to
-one config: resuming with a different config is refused rather than mixing two experiments in one file.
+Rows are appended to `results.jsonl` and fsync'ed one by one, so a run killed at any moment (kill -9 included) loses at
+most the example in flight; the same command resumes, skipping finished ids and repairing a torn last line. A run folder
+belongs to one config: resuming with a different config is refused rather than mixing two experiments in one file.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class EvalConfig:
     """Samples for SC-CoT."""
 
     def __post_init__(self):
-        if self.method not in BASELINES and self.method != "orchestrator" and not self.method.endswith((".yaml", ".yml")):
+        if (self.method not in BASELINES and self.method != "orchestrator"
+                and not self.method.endswith((".yaml", ".yml"))):
             raise UnknownMethodError(f"unknown method {self.method!r}; use {METHODS_HELP}")
         B.get_benchmark(self.benchmark)  # raises UnknownBenchmarkError listing the valid names
         if self.limit is not None and self.limit < 1:
@@ -121,10 +122,11 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
     `examples` overrides the loaded split (e.g. an eval pool); otherwise load(benchmark, split, limit, seed).
 
     `concurrency` = questions in flight (threads). Rows are appended as questions finish (file order = completion order;
-    one row per id either way), so a kill loses at most the `concurrency` questions in flight, and a resume redoes exactly
-    those. Every question's seeds and cache keys depend on the question alone, never on timing, so rows and token totals do
-    not depend on `concurrency` for a deterministic pool. The spec writer is called under a lock (a transformers policy
-    seeds torch globally per call); worker calls overlap, bounded per backend by its max_concurrency."""
+    one row per id either way), so a kill loses at most the `concurrency` questions in flight, and a resume redoes
+    exactly those. Every question's seeds and cache keys depend on the question alone, never on timing, so rows and
+    token totals do not depend on `concurrency` for a deterministic pool. The spec writer is called under a lock (a
+    transformers policy seeds torch globally per call); worker calls overlap, bounded per backend by its
+    max_concurrency."""
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency={concurrency!r} must be a positive int (questions in flight)")
     out = Path(out)
@@ -147,12 +149,13 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
     if mpath.exists():
         old = json.loads(mpath.read_text())
         if json.loads(json.dumps(old.get("config"), default=str)) != json.loads(json.dumps(config, default=str)):
-            raise ValueError(f"{out} holds a run with a different config; resume only with the same one or pick another --out\n"
-                             f"  old: {old.get('config')}\n  new: {config}")
+            raise ValueError(f"{out} holds a run with a different config; resume only with the same one or pick "
+                             f"another --out\n  old: {old.get('config')}\n  new: {config}")
     else:
         data_dir = B.resolve_data_dir()
         write_json(mpath, build_manifest(config, prompts_sha256=prompts.sha256, workers=pool.describe(),
-                                         data_files=[Path(data_dir) / cfg.benchmark / f"{cfg.split}.jsonl"] if data_dir else [],
+                                         data_files=([Path(data_dir) / cfg.benchmark / f"{cfg.split}.jsonl"]
+                                                     if data_dir else []),
                                          seeds={"eval": cfg.seed}, extra={"concurrency": concurrency}))
     rpath = out / "results.jsonl"
     rows = read_rows(rpath)
@@ -177,7 +180,8 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
             for ex in todo:
                 finish(one(ex))
         else:
-            tp, pending, it = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lemon-eval"), set(), iter(todo)
+            tp, pending, it = (ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="lemon-eval"), set(),
+                               iter(todo))
             try:
                 for ex in itertools.islice(it, concurrency):  # keep exactly `concurrency` questions in flight
                     pending.add(tp.submit(one, ex))
@@ -199,8 +203,8 @@ def run_eval(cfg: EvalConfig, pool, prompts: Prompts, out: Path, *, caps: Execut
         # recomputed from the rows, so a summary written by an older version still returns every current key.
         return {**old_summary, **summarize(rows)}
     wall = time.perf_counter() - t0
-    summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split, "seed": cfg.seed,
-               "concurrency": concurrency, "wall_s_this_call": wall,
+    summary = {**summarize(rows), "method": cfg.method, "benchmark": cfg.benchmark, "split": cfg.split,
+               "seed": cfg.seed, "concurrency": concurrency, "wall_s_this_call": wall,
                "wall_s_total": old_summary.get("wall_s_total", old_summary.get("wall_s_this_call", 0.0)) + wall,
                "workers": portable(pool.describe()), "prompts_sha256": prompts.sha256}
     write_json(spath, summary)

@@ -1,6 +1,6 @@
 """The trained orchestrator written by a llama-server (lemon.policy.served) instead of transformers: the same interface
-as lemon.eval.orchestrator.PolicySpecWriter (propose -> SpecProposal), the same prompt token ids and, constrained, the same
-llguidance matcher applied token by token, so a greedy spec is the one the transformers writer would give up to f32
+as lemon.eval.orchestrator.PolicySpecWriter (propose -> SpecProposal), the same prompt token ids and, constrained, the
+same llguidance matcher applied token by token, so a greedy spec is the one the transformers writer would give up to f32
 summation order. Agreement and speed: bench/served_policy_bench.py."""
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ def policy_eos_ids(base_model: str, tokenizer) -> set[int]:
 
 
 class ServedPolicySpecWriter:
-    """Spec writer over a ServedPolicy. `tokenizer` is the policy's HF tokenizer (its chat template makes the prompt ids;
-    the grammar is compiled against it). Greedy only when constrained (cfg.temperature must be 0)."""
+    """Spec writer over a ServedPolicy. `tokenizer` is the policy's HF tokenizer (its chat template makes the prompt
+    ids; the grammar is compiled against it). Greedy only when constrained (cfg.temperature must be 0)."""
 
     def __init__(self, served, tokenizer, cfg: OrchestratorConfig = OrchestratorConfig(), *, constrained: bool = True):
         if constrained and cfg.temperature != 0:
-            raise ValueError(f"ServedPolicySpecWriter samples constrained specs greedily only (temperature={cfg.temperature}); "
-                             "use lemon.eval.orchestrator.PolicySpecWriter for constrained sampling at T > 0")
+            raise ValueError("ServedPolicySpecWriter samples constrained specs greedily only "
+                             f"(temperature={cfg.temperature}); use lemon.eval.orchestrator.PolicySpecWriter for "
+                             "constrained sampling at T > 0")
         self.served, self.tok, self.cfg, self.constrained = served, tokenizer, cfg, constrained
         self.name = served.name
         self.eos = policy_eos_ids(served.base_model, tokenizer)

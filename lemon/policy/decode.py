@@ -1,5 +1,5 @@
-"""A plain decoding loop for small policies on the CPU: what `model.generate` does for sampling with a KV cache, minus its
-per-step machinery.
+"""A plain decoding loop for small policies on the CPU: what `model.generate` does for sampling with a KV cache, minus
+its per-step machinery.
 
 Why: on the testbed's 2-layer random policy (SmolLM2's 49k vocabulary, batch 8, one thread) `generate` spent ~10 ms per
 decoding step in `torch.multinomial` alone, more than the model's forward and the grammar mask together. Here a token is
@@ -30,10 +30,10 @@ def gumbel_argmax(logits, temperature: float, generator):
 
 def decode(model, ids, attn, *, n: int, temperature: float, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
            processors: Sequence = (), seed: int = 0, cache=None) -> list[list[int]]:
-    """Sample max_new_tokens at most for each of the P prompts `ids` (P, T) (left-padded, mask `attn` (P, T)), n rows per
-    prompt (prompt-major). `cache`: the KV cache of each prompt but its last token, already repeated n times (as
-    lemon.policy.rollout's shared-prefix cache); None = prefill here. Returns each row's new tokens up to and including its
-    first EOS (rows cut by max_new_tokens have none)."""
+    """Sample max_new_tokens at most for each of the P prompts `ids` (P, T) (left-padded, mask `attn` (P, T)), n rows
+    per prompt (prompt-major). `cache`: the KV cache of each prompt but its last token, already repeated n times (as
+    lemon.policy.rollout's shared-prefix cache); None = prefill here. Returns each row's new tokens up to and including
+    its first EOS (rows cut by max_new_tokens have none)."""
     import torch
     rows = ids.repeat_interleave(n, 0)  # (B, T)
     mask = attn.repeat_interleave(n, 0)  # (B, T)

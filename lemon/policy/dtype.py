@@ -1,7 +1,7 @@
 """Which float format the policy samples in on CPU, detected rather than assumed.
 
-bf16 matmuls are fast only where the CPU has native bf16 dot products (AVX512_BF16 or AMX) and oneDNN (mkldnn) uses them;
-elsewhere torch emulates bf16 and it is slower than fp32.
+bf16 matmuls are fast only where the CPU has native bf16 dot products (AVX512_BF16 or AMX) and oneDNN (mkldnn) uses
+them; elsewhere torch emulates bf16 and it is slower than fp32.
 
 On an AVX512_BF16 CPU (LOG.md, 2026-12-01; bench/grammar_bench.py --dtype: Qwen2.5-Coder-0.5B, batch 8 = 1 prompt x 8,
 32 new tokens, 2 torch threads, other jobs running, so noisy): fp32 weights 17.8 tok/s end to end, bf16 weights 28.7,
@@ -9,8 +9,9 @@ fp32 + torch.autocast(bf16) 5.5 (autocast re-casts every weight at every decodin
 decode; it pays off for training's long forward+backward instead). So sampling never autocasts by default, and on
 a native-bf16 CPU ('auto' -> 'bf16_merged') it runs on a bf16 copy of the policy with the LoRA adapters merged in
 (merged_copy, made afresh per rollout; 1.6x the fp32 decode, see there); the trainer's fp32 model is never converted.
-'bf16_copy' (SamplingCopy: unmerged adapters, only LoRA weights re-copied) stays as an option. Elsewhere: the fp32 model.
-The trainer recomputes old log-probs with its own (fp32) model, so bf16 sampling only shifts which tokens are drawn.
+'bf16_copy' (SamplingCopy: unmerged adapters, only LoRA weights re-copied) stays as an option. Elsewhere: the fp32
+model. The trainer recomputes old log-probs with its own (fp32) model, so bf16 sampling only shifts which tokens are
+drawn.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import copy
 from pathlib import Path
 
 # how generate() computes: the model's own dtype; bf16 autocast; a bf16 SamplingCopy of the policy; a bf16 merged_copy
-# (both made by lemon.train.episodes); 'auto' resolves (resolve_sample_dtype) to bf16_merged on a native-bf16 CPU, else 'model'
+# (both made by lemon.train.episodes); 'auto' resolves (resolve_sample_dtype) to bf16_merged on a native-bf16 CPU, else
+# 'model'
 SAMPLING_DTYPES = ("model", "autocast_bf16", "bf16_copy", "bf16_merged")
 
 
@@ -81,7 +83,8 @@ def sampling_weights_dtype(device="cpu"):
 def sampling_context(dtype: str, device):
     """The context generate() runs in: bf16 autocast for 'autocast_bf16', nothing for 'model'."""
     import torch
-    if dtype not in ("model", "autocast_bf16"):  # bf16_copy / bf16_merged: the caller makes the copy, sampled as 'model'
+    # bf16_copy / bf16_merged: the caller makes the copy, sampled as 'model'
+    if dtype not in ("model", "autocast_bf16"):
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(SAMPLING_DTYPES)}")
     if dtype == "autocast_bf16":
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
@@ -110,8 +113,8 @@ class SamplingCopy:
         src = dict(model.named_parameters())
         now = tuple(n for n, p in src.items() if p.requires_grad)
         if now != self.names:
-            raise ValueError("the model's trainable parameters changed since this SamplingCopy was made (another adapter or "
-                             "unfrozen weights): make a new SamplingCopy")
+            raise ValueError("the model's trainable parameters changed since this SamplingCopy was made "
+                             "(another adapter or unfrozen weights): make a new SamplingCopy")
         dst = dict(self.model.named_parameters())
         with self._torch.no_grad():
             for n in self.names:

@@ -1,13 +1,14 @@
 """The orchestrator policy model: transformers + peft LoRA on CPU (from the shipped GGUF), Unsloth on CUDA.
 
-transformers reads the shipped GGUF files (qwen2 / llama) and dequantizes them, but that takes tens of seconds and the result
-refuses `save_pretrained` while its GGUF quantizer is attached. So the first load converts once to a plain fp32 transformers
-folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s). Base weights stay
-fp32 on CPU and load in bf16 on CUDA (PolicyConfig.dtype); the trainer runs the loss under bf16 autocast where the CPU supports it and sampling picks its dtype by measurement
-(lemon.policy.dtype, lemon.policy.rollout).
+transformers reads the shipped GGUF files (qwen2 / llama) and dequantizes them, but that takes tens of seconds and the
+result refuses `save_pretrained` while its GGUF quantizer is attached. So the first load converts once to a plain fp32
+transformers folder in the cache (quantizer and quantization_config cleared) and later loads read that folder (~1-3 s).
+Base weights stay fp32 on CPU and load in bf16 on CUDA (PolicyConfig.dtype); the trainer runs the loss under bf16
+autocast where the CPU supports it and sampling picks its dtype by measurement (lemon.policy.dtype,
+lemon.policy.rollout).
 
-On CUDA with Unsloth, an SFT adapter is loaded INTO the Unsloth peft model (load_adapter_weights): Unsloth builds its own
-LoRA modules, so a warm start must be copied into them and checked key by key, never dropped silently.
+On CUDA with Unsloth, an SFT adapter is loaded INTO the Unsloth peft model (load_adapter_weights): Unsloth builds its
+own LoRA modules, so a warm start must be copied into them and checked key by key, never dropped silently.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class PolicyConfig:
     """Which model the orchestrator policy is and how LoRA is attached."""
 
     model: str = "qwen2.5-coder-0.5b"
-    """A shipped model name (lemon.run.models.SHIPPED) or a HF hub id / local folder (paper profile: Qwen/Qwen2.5-7B-Instruct)."""
+    """A shipped model name (lemon.run.models.SHIPPED) or a HF hub id / local folder (paper profile:
+    Qwen/Qwen2.5-7B-Instruct)."""
     backend: str = "auto"
     """'auto' (Unsloth on CUDA, where it must be installed; transformers on a CPU), 'transformers' or 'unsloth'."""
     lora_r: int = 16
@@ -39,7 +41,8 @@ class PolicyConfig:
     max_seq_length: int = 2048
     """Unsloth only: maximum sequence length."""
     dtype: str = "auto"
-    """Base weights: 'auto' (bf16 on CUDA, fp32 on CPU where the trainer autocasts), 'bf16' or 'fp32'. LoRA weights stay fp32."""
+    """Base weights: 'auto' (bf16 on CUDA, fp32 on CPU where the trainer autocasts), 'bf16' or 'fp32'. LoRA weights stay
+    fp32."""
 
     def __post_init__(self):
         if self.backend not in ("auto", "transformers", "unsloth"):
@@ -119,13 +122,15 @@ def converted_dir(name: str) -> Path:
     return out
 
 
-TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
 
 
 def random_policy(tokenizer_dir: str | Path, out: str | Path, seed: int = 0, **shape) -> Path:
     """A randomly initialised Qwen2-shaped policy (TINY_QWEN2 unless `shape` says otherwise) with the REAL tokenizer of
     tokenizer_dir, saved to out: the spec grammar compiles against a real vocabulary, so the whole trainer (rollouts,
-    edits, spans, loss) runs on a model that costs nothing to carry or to step (bench/gpu_check.py, the learning test)."""
+    edits, spans, loss) runs on a model that costs nothing to carry or to step (bench/gpu_check.py, the learning
+    test)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -140,9 +145,9 @@ def random_policy(tokenizer_dir: str | Path, out: str | Path, seed: int = 0, **s
 
 def cached_random_policy(seed: int, initializer_range: float = 0.2, tokenizer: str = "smollm2-135m",
                          tokenizer_dir: str | Path | None = None) -> Path:
-    """random_policy(converted_dir(tokenizer), ..., seed, initializer_range) built once into the cache and reused: the draw
-    is a pure function of its arguments (torch.manual_seed), so the folder name says everything about it. The testbed's
-    many-seed study gives each training seed its own random policy this way. Init std 0.2, not HF's 0.02: at
+    """random_policy(converted_dir(tokenizer), ..., seed, initializer_range) built once into the cache and reused: the
+    draw is a pure function of its arguments (torch.manual_seed), so the folder name says everything about it. The
+    testbed's many-seed study gives each training seed its own random policy this way. Init std 0.2, not HF's 0.02: at
     0.02 the logits span ~1 nat after the final norm and LoRA cannot sharpen them (LOG.md, 2026-12-04)."""
     # tokenizer_dir: a tokenizer folder of the caller's (e.g. the testbed's small BPE, lemon.testbed.vocab); the folder
     # name (which carries its digest there) then names the draw instead of `tokenizer`
@@ -184,9 +189,10 @@ def load_adapter_weights(model, adapter: str | Path) -> int:
 
 
 def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | None = None, seed: int | None = None):
-    """(model, tokenizer). With lora=True the model is a peft model with fresh adapters (or `adapter` loaded, trainable).
-    `seed` seeds torch before fresh adapters are drawn (LoRA A is random; B is zero): without it two processes start
-    from different LoRA weights, so an SFT warm start could not be rebuilt bit for bit (LOG.md 2026-12-03)."""
+    """(model, tokenizer). With lora=True the model is a peft model with fresh adapters (or `adapter` loaded,
+    trainable). `seed` seeds torch before fresh adapters are drawn (LoRA A is random; B is zero): without it two
+    processes start from different LoRA weights, so an SFT warm start could not be rebuilt bit for bit (LOG.md
+    2026-12-03)."""
     import torch
     backend = resolve_backend(cfg)
     if seed is not None:
@@ -194,14 +200,17 @@ def load_policy(cfg: PolicyConfig, *, lora: bool = True, adapter: str | Path | N
     path = str(converted_dir(cfg.model)) if cfg.model in SHIPPED else cfg.model
     if backend == "unsloth":
         FastLanguageModel = import_unsloth(cfg).FastLanguageModel
-        # use_exact_model_name: Unsloth otherwise remaps a hub id to its own re-upload (unsloth/...), a second download that
-        # fails offline and silently changes which weights a run used
-        model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length, load_in_4bit=cfg.load_in_4bit,
-                                                       dtype=weights_dtype(cfg), use_exact_model_name=True)
+        # use_exact_model_name: Unsloth otherwise remaps a hub id to its own re-upload (unsloth/...), a second download
+        # that fails offline and silently changes which weights a run used
+        model, tok = FastLanguageModel.from_pretrained(path, max_seq_length=cfg.max_seq_length,
+                                                       load_in_4bit=cfg.load_in_4bit, dtype=weights_dtype(cfg),
+                                                       use_exact_model_name=True)
         if lora or adapter is not None:
-            # random_state: Unsloth reseeds torch with it (default 3407) before drawing LoRA A, overriding the run's seed
+            # random_state: Unsloth reseeds torch with it (default 3407) before drawing LoRA A, overriding the run's
+            # seed
             model = FastLanguageModel.get_peft_model(model, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                                     lora_dropout=cfg.lora_dropout, target_modules=list(cfg.target_modules),
+                                                     lora_dropout=cfg.lora_dropout,
+                                                     target_modules=list(cfg.target_modules),
                                                      random_state=seed if seed is not None else 3407)
             if adapter is not None:
                 load_adapter_weights(model, adapter)  # the warm start, into Unsloth's own LoRA modules

@@ -1,20 +1,22 @@
-"""Rollouts of the orchestrator policy: n specs per prompt in ONE batched generate() call, optionally grammar-constrained.
+"""Rollouts of the orchestrator policy: n specs per prompt in ONE batched generate() call, optionally
+grammar-constrained.
 
 Constrained (the default in training; why, in lemon.spec.grammar): each row carries its own llguidance matcher for
-its SpecGrammar (rows of one batch may come from different domains), and a logits processor masks every token the grammar
-forbids before temperature is applied, so a sampled spec is always a prefix of a valid spec and a finished one always parses.
-Unconstrained (constraint=None) is the ablation: the invalid-spec penalty applies there.
+its SpecGrammar (rows of one batch may come from different domains), and a logits processor masks every token the
+grammar forbids before temperature is applied, so a sampled spec is always a prefix of a valid spec and a finished one
+always parses. Unconstrained (constraint=None) is the ablation: the invalid-spec penalty applies there.
 
 The sampling distribution under a grammar is the policy's softmax renormalised over the allowed tokens; the trainer's
 log-probs (TRL) are of the unmasked policy. Forced tokens (one allowed choice) then have ratio-1 gradients only through
-the unmasked log-prob; that is the usual practice with constrained RL sampling and is stated here so nobody is surprised.
-Each Sample records how many tokens were allowed at every position (Sample.n_allowed; Sample.forced where one was), so a
-trainer can leave forced tokens out of credit assignment, and sample_specs(keep_masks=True) keeps the masks themselves
-for log-probs under the renormalised distribution (masked_logprobs). By default a base_role or capacity value has ONE
-token path, the tokenizer's own (GrammarConstraint.canonical; lemon.spec.grammar.GrammarCache.matcher says why).
+the unmasked log-prob; that is the usual practice with constrained RL sampling and is stated here so nobody is
+surprised. Each Sample records how many tokens were allowed at every position (Sample.n_allowed; Sample.forced where one
+was), so a trainer can leave forced tokens out of credit assignment, and sample_specs(keep_masks=True) keeps the masks
+themselves for log-probs under the renormalised distribution (masked_logprobs). By default a base_role or capacity value
+has ONE token path, the tokenizer's own (GrammarConstraint.canonical; lemon.spec.grammar.GrammarCache.matcher says why).
 
-Seeding: the whole call runs under torch.random.fork_rng with torch.manual_seed(seed), so the same seed, prompts and model
-give the same samples and the caller's global RNG is untouched. temperature 0 is greedy (evaluation of a trained policy).
+Seeding: the whole call runs under torch.random.fork_rng with torch.manual_seed(seed), so the same seed, prompts and
+model give the same samples and the caller's global RNG is untouched. temperature 0 is greedy (evaluation of a trained
+policy).
 """
 from __future__ import annotations
 
@@ -69,21 +71,23 @@ class GrammarConstraint:
 
     def __post_init__(self):
         g = self.grammars
-        if not isinstance(g, SpecGrammar) and not (isinstance(g, tuple) and g and all(isinstance(x, SpecGrammar) for x in g)):
+        if not isinstance(g, SpecGrammar) and not (isinstance(g, tuple) and g
+                                                   and all(isinstance(x, SpecGrammar) for x in g)):
             raise TypeError("grammars must be a SpecGrammar or a non-empty tuple of them (one per prompt)")
 
     def for_prompts(self, n_prompts: int) -> tuple[SpecGrammar, ...]:
         if isinstance(self.grammars, SpecGrammar):
             return (self.grammars,) * n_prompts
         if len(self.grammars) != n_prompts:
-            raise ValueError(f"{len(self.grammars)} grammars for {n_prompts} prompts: give one per prompt or a single one")
+            raise ValueError(f"{len(self.grammars)} grammars for {n_prompts} prompts: give one per prompt or "
+                             "a single one")
         return self.grammars
 
 
 def generate_is_unsloth(model) -> bool:
     """model.generate is Unsloth's wrapper: both wrappers keep transformers' own as `_old_generate` (2026.10.9 llama.py
-    FastLlamaModel.from_pretrained, vision.py FastBaseModel.from_pretrained; 2025.9.1 likewise). A peft model forwards the
-    attribute lookup to the model it wraps. What else Unsloth changes: lemon.train.unsloth_compat."""
+    FastLlamaModel.from_pretrained, vision.py FastBaseModel.from_pretrained; 2025.9.1 likewise). A peft model forwards
+    the attribute lookup to the model it wraps. What else Unsloth changes: lemon.train.unsloth_compat."""
     try:
         return getattr(model, "_old_generate", None) is not None
     except Exception:  # an exotic __getattr__: not Unsloth's
@@ -95,7 +99,8 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 def eos_ids_of(generation_config, tokenizer) -> list[int]:
-    """The ids generate() stops on: the generation config's eos_token_id (an int or a list), else the tokenizer's EOS."""
+    """The ids generate() stops on: the generation config's eos_token_id (an int or a list), else the tokenizer's
+    EOS."""
     eos = getattr(generation_config, "eos_token_id", None)
     eos = tokenizer.eos_token_id if eos is None else eos
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
@@ -111,22 +116,24 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
                  keep_masks: bool = False, decoder: str = "auto") -> list[Sample]:
     """n completions for each chat prompt (lemon.eval.orchestrator.orchestrator_messages), prompt-major order: samples
     [i*n:(i+1)*n] answer prompts[i]. `dtype`: 'model' (its own weights' dtype) or 'autocast_bf16' (measured 3x slower
-    for decoding; lemon.policy.dtype). For bf16 speed on a native-bf16 CPU pass a lemon.policy.dtype.SamplingCopy's sync()
-    as the model. The model may be a peft model (adapters stay unmerged); its train/eval mode is restored afterwards.
-    keep_masks: also return each sample's allowed-token bitmasks (Sample.allowed_masks; ~V/8 bytes per token).
-    decoder: 'loop' (lemon.policy.decode), 'generate' (transformers), or 'auto': the loop on the CPU for a model whose
-    forward returns a transformers Cache, generate otherwise (Unsloth's patched generate on CUDA). Both draw from the same
-    distribution with different random streams, so a seed's samples depend on the decoder."""
+    for decoding; lemon.policy.dtype). For bf16 speed on a native-bf16 CPU pass a lemon.policy.dtype.SamplingCopy's
+    sync() as the model. The model may be a peft model (adapters stay unmerged); its train/eval mode is restored
+    afterwards. keep_masks: also return each sample's allowed-token bitmasks (Sample.allowed_masks; ~V/8 bytes per
+    token). decoder: 'loop' (lemon.policy.decode), 'generate' (transformers), or 'auto': the loop on the CPU for a model
+    whose forward returns a transformers Cache, generate otherwise (Unsloth's patched generate on CUDA). Both draw from
+    the same distribution with different random streams, so a seed's samples depend on the decoder."""
     if decoder not in ("auto", "loop", "generate"):
         raise ValueError(f"decoder={decoder!r}; valid: auto, loop, generate")
     import torch
     if n < 1 or max_new_tokens < 1 or temperature < 0:
-        raise ValueError(f"need n >= 1, max_new_tokens >= 1 and temperature >= 0 (got {n}, {max_new_tokens}, {temperature})")
+        raise ValueError(f"need n >= 1, max_new_tokens >= 1 and temperature >= 0 (got {n}, {max_new_tokens}, "
+                         f"{temperature})")
     if not prompts:
         return []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = _eos_ids(model, tokenizer)
-    enc = [list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    enc = [list(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
            for p in prompts]
     width = max(map(len, enc))
     dev = model.device
@@ -141,17 +148,20 @@ def sample_specs(model, tokenizer, prompts: Sequence[list[dict]], *, n: int, tem
         procs.append(mask)
     from transformers import GenerationConfig, LogitsProcessorList
     sample = temperature > 0
-    # every sampling knob explicit: generate() fills unset ones from the model's generation_config (hub Qwen sets top_k=20,
-    # top_p=0.8, repetition_penalty=1.05), which would make rollouts differ from the policy the trainer scores
-    knobs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0) if sample else dict(do_sample=False)
+    # every sampling knob explicit: generate() fills unset ones from the model's generation_config (hub Qwen sets
+    # top_k=20, top_p=0.8, repetition_penalty=1.05), which would make rollouts differ from the policy the trainer scores
+    knobs = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0) if sample
+             else dict(do_sample=False))
     gcfg = GenerationConfig(max_new_tokens=max_new_tokens, repetition_penalty=1.0, eos_token_id=eos, pad_token_id=pad,
                             use_cache=True, **knobs)
     was_training = model.training
     model.eval()
     try:
-        rng_devices = [dev] if dev.type == "cuda" else []  # CPU state is always forked; CUDA's only when it samples there
+        # CPU state is always forked; CUDA's only when it samples there
+        rng_devices = [dev] if dev.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), sampling_context(dtype, dev):
-            # Unsloth's generate() sets cache_implementation, which transformers refuses beside a cache: no shared prefix
+            # Unsloth's generate() sets cache_implementation, which transformers refuses beside a cache: no shared
+            # prefix
             cache = None if generate_is_unsloth(model) else _shared_prefix_cache(model, ids, attn, n)
             torch.manual_seed(seed)
             loop = decoder == "loop" or (decoder == "auto" and cache is not None and dev.type == "cpu")
@@ -205,9 +215,10 @@ def masked_logprobs(logits, allowed_masks, token_ids=None):
 def _shared_prefix_cache(model, ids, attn, n: int):
     """The KV cache of each prompt but its last token, computed ONCE per prompt and repeated for its n rows: the prompt
     (~500 tokens) is most of a rollout's compute on CPU, and its n copies are identical. generate() then starts from the
-    last prompt token. Positions follow the attention mask, as generate() computes them for left-padded rows. None (generate()
-    then prefills every row itself, the same samples) when the forward returns no transformers Cache: Unsloth's returns a
-    legacy tuple of (K, V) per layer (lemon.train.unsloth_compat), with no batch_repeat_interleave."""
+    last prompt token. Positions follow the attention mask, as generate() computes them for left-padded rows. None
+    (generate() then prefills every row itself, the same samples) when the forward returns no transformers Cache:
+    Unsloth's returns a legacy tuple of (K, V) per layer (lemon.train.unsloth_compat), with no
+    batch_repeat_interleave."""
     if ids.shape[1] < 2:
         return None
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (P, T)
@@ -221,8 +232,8 @@ def _shared_prefix_cache(model, ids, attn, n: int):
 
 
 class GrammarMask:
-    """A transformers LogitsProcessor: row b's logits keep only the tokens its grammar allows next. Each call first feeds
-    the previous step's sampled token to the row's matcher, then fills all rows' bitmasks (llguidance, in parallel
+    """A transformers LogitsProcessor: row b's logits keep only the tokens its grammar allows next. Each call first
+    feeds the previous step's sampled token to the row's matcher, then fills all rows' bitmasks (llguidance, in parallel
     threads) and applies them. Finished rows (EOS taken) are left unmasked: generate() overwrites their tokens with pad.
     Each call also records how many tokens every row was allowed (one sum over the (B, V) mask it builds anyway) and,
     with keep_masks, a copy of the packed bitmask: step t of generate() is position t of each completion."""

@@ -1,7 +1,7 @@
 """The orchestrator policy served by `llama-server` for fast greedy evaluation: the trained policy's exact base weights
-(the shipped GGUF dequantized to F32), its LoRA converted to GGUF, and the spec grammar applied HERE, token by token, by the
-same llguidance matcher the transformers sampler uses. Why: on 2 cores transformers writes one greedy spec of the 0.5B
-policy in ~30-50 s (LOG.md, 2026-12-02); evaluating a trained policy on 150+ questions needs it much cheaper.
+(the shipped GGUF dequantized to F32), its LoRA converted to GGUF, and the spec grammar applied HERE, token by token, by
+the same llguidance matcher the transformers sampler uses. Why: on 2 cores transformers writes one greedy spec of the
+0.5B policy in ~30-50 s (LOG.md, 2026-12-02); evaluating a trained policy on 150+ questions needs it much cheaper.
 
 What is the same as the transformers policy (lemon.policy.model, lemon.eval.orchestrator.PolicySpecWriter):
   - base weights: `base_gguf(weights='f32')` dequantizes the shipped GGUF with gguf-py, the function transformers uses;
@@ -40,8 +40,8 @@ def llama_source(binary: str | Path | None = None) -> Path:
     info = build_info(find_binary(binary))
     src = Path(info.get("source", ""))
     if not (src / "convert_lora_to_gguf.py").is_file():
-        raise AdapterConversionError(f"no llama.cpp source tree with convert_lora_to_gguf.py at {src!s} (from the build record "
-                                     "beside llama-server); rerun `bash scripts/setup.sh`")
+        raise AdapterConversionError(f"no llama.cpp source tree with convert_lora_to_gguf.py at {src!s} (from the "
+                                     "build record beside llama-server); rerun `bash scripts/setup.sh`")
     return src
 
 
@@ -52,10 +52,11 @@ def _digest(adapter: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def adapter_to_gguf(adapter: str | Path, base_model: str, *, out: str | Path | None = None, timeout_s: float = 600.0) -> Path:
+def adapter_to_gguf(adapter: str | Path, base_model: str, *, out: str | Path | None = None,
+                    timeout_s: float = 600.0) -> Path:
     """The peft adapter folder as an f32 LoRA GGUF (default <adapter>/lora-<digest>.gguf; reused when the digest of
-    adapter_config.json + adapter_model.safetensors matches). base_model: the shipped model name the adapter was trained on
-    (the converter reads its config from lemon.policy.model.converted_dir, never its weights)."""
+    adapter_config.json + adapter_model.safetensors matches). base_model: the shipped model name the adapter was trained
+    on (the converter reads its config from lemon.policy.model.converted_dir, never its weights)."""
     adapter = Path(adapter)
     if not (adapter / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"{adapter} is not a saved peft adapter (no adapter_model.safetensors)")
@@ -70,7 +71,8 @@ def adapter_to_gguf(adapter: str | Path, base_model: str, *, out: str | Path | N
                        timeout=timeout_s, env=env)
     if r.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        raise AdapterConversionError(f"convert_lora_to_gguf.py exited {r.returncode} for {adapter}:\n{r.stderr[-3000:]}")
+        raise AdapterConversionError(f"convert_lora_to_gguf.py exited {r.returncode} for "
+                                     f"{adapter}:\n{r.stderr[-3000:]}")
     os.replace(tmp, target)  # atomic: a half-written GGUF is never reused
     return target
 
@@ -79,10 +81,11 @@ def base_gguf(base_model: str, weights: str = "f32") -> Path:
     """The base model file the server loads. weights='shipped': the shipped quantized GGUF (fastest; llama.cpp then
     multiplies with Q4 weights, not the trained policy's fp32 ones). weights='f32': the shipped GGUF with every tensor
     dequantized to F32 by gguf-py's `dequantize`, the very function transformers uses when lemon.policy.model loads the
-    shipped file, so the server holds exactly the trained policy's base weights (metadata and tokenizer copied as they are).
-    Written once into the model cache."""
+    shipped file, so the server holds exactly the trained policy's base weights (metadata and tokenizer copied as they
+    are). Written once into the model cache."""
     if weights not in ("f32", "shipped"):
-        raise ValueError(f"weights={weights!r}; valid: 'f32' (the trained policy's exact weights) or 'shipped' (quantized)")
+        raise ValueError(f"weights={weights!r}; valid: 'f32' (the trained policy's exact weights) or "
+                         "'shipped' (quantized)")
     src = get_model(base_model)
     if weights == "shipped":
         return src
@@ -149,9 +152,11 @@ class ServedPolicy:
         self.name = f"served:{base_model}[{weights}]" + (f"+{self.adapter.name}" if self.adapter else "")
 
     def describe(self) -> dict:
-        return {"name": self.name, "lora_gguf": str(self.lora) if self.lora else None, **self.manager.describe_server("policy")}
+        return {"name": self.name, "lora_gguf": str(self.lora) if self.lora else None,
+                **self.manager.describe_server("policy")}
 
-    def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> ServedCompletion:
+    def complete(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> ServedCompletion:
         """Free (unconstrained) decoding: the unconstrained-policy ablation. Constrained greedy: greedy_constrained."""
         out = self._post({"prompt": [int(t) for t in prompt_ids], "n_predict": int(max_tokens),
                           "temperature": float(temperature), "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
@@ -166,7 +171,8 @@ class ServedPolicy:
             return int(json.loads(resp.read())["data"][0]["meta"]["n_vocab"])
 
     def _post(self, body: dict) -> dict:
-        # ensure() gives the OpenAI base URL (.../v1); /completion (token-id prompts, n_probs) is llama-server's native endpoint
+        # ensure() gives the OpenAI base URL (.../v1); /completion (token-id prompts, n_probs) is llama-server's native
+        # endpoint
         url = self.manager.ensure("policy").removesuffix("/").removesuffix("/v1") + "/completion"
         req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
@@ -178,8 +184,8 @@ class ServedPolicy:
     def greedy_constrained(self, prompt_ids: list[int], matcher, *, max_tokens: int, eos_ids: set[int], n_vocab: int,
                            top_n: int = 64) -> tuple[tuple[int, ...], bool]:
         """Greedy decoding under an llguidance matcher held HERE, token for token what lemon.policy.rollout.sample_specs
-        does at temperature 0: forced tokens (llguidance's canonical tokenization of forced text, compute_ff_tokens, or a
-        mask with one token) are appended without a model call; at a free position the server returns its top_n
+        does at temperature 0: forced tokens (llguidance's canonical tokenization of forced text, compute_ff_tokens, or
+        a mask with one token) are appended without a model call; at a free position the server returns its top_n
         log-probs and the best one the mask allows is taken. That is exact: an allowed token outside the top_n has a
         lower logit than all of them, so when one of the top_n is allowed the best allowed is among them; when none is,
         the request is repeated with every disallowed token banned (logit_bias). The prompt is resent each call;
@@ -193,7 +199,8 @@ class ServedPolicy:
             if ff:  # a forced run (never EOS): take it whole, no model call
                 for t in ff:
                     if not matcher.consume_token(t):
-                        raise ServerError(f"served policy: forced token {t} refused by the grammar ({matcher.get_error()})")
+                        raise ServerError(f"served policy: forced token {t} refused by the grammar "
+                                          f"({matcher.get_error()})")
                 out += ff
                 continue
             mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)  # (ceil(V/32),) one bit per token

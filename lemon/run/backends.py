@@ -1,11 +1,11 @@
 """The worker backends behind a capacity level, and the types they share (paper §3: small / medium / large workers).
 
 Two real implementations of one `Backend` protocol: any OpenAI-compatible server (the embedded default's managed
-llama-servers from lemon.run.servers, vLLM, Ollama, hosted APIs) and HF transformers (GPU, or a policy checkpoint used as a
-worker). There is no in-process llama.cpp backend: managed llama-servers batch concurrent requests
+llama-servers from lemon.run.servers, vLLM, Ollama, hosted APIs) and HF transformers (GPU, or a policy checkpoint used
+as a worker). There is no in-process llama.cpp backend: managed llama-servers batch concurrent requests
 (LOG.md, 2026-12-01; bench/server_bench.py), and one worker path is simpler.
-Real calls report the backend's OWN token counts: the paper's cost axis is tokens, so a backend that cannot say how many it
-used raises instead of counting 0. The pool, the fake backend and the token meter are in lemon.run.workers.
+Real calls report the backend's OWN token counts: the paper's cost axis is tokens, so a backend that cannot say how many
+it used raises instead of counting 0. The pool, the fake backend and the token meter are in lemon.run.workers.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ class SamplingParams:
                   (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
                   (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
                   (_is_int(self.seed) and self.seed >= 0, "seed must be a non-negative int"),
-                  (self.json_schema is None or isinstance(self.json_schema, dict), "json_schema must be a dict or None")]
+                  (self.json_schema is None or isinstance(self.json_schema, dict),
+                   "json_schema must be a dict or None")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"{msg}; got {self}")
@@ -115,24 +116,24 @@ def usable_cores() -> int:
 
 
 class OpenAIBackend:
-    """Any OpenAI-compatible chat endpoint (vLLM, llama-server, Ollama, hosted APIs). Retries are ours (the client's are off)
-    so they are bounded and observable.
+    """Any OpenAI-compatible chat endpoint (vLLM, llama-server, Ollama, hosted APIs). Retries are ours (the client's are
+    off) so they are bounded and observable.
 
-    Retry policy: connection errors (timeouts included), 429 and 5xx are retried up to `max_retries` times with exponential
-    backoff; then BackendUnavailableError (the executor stops the run: a dead server is never scored as a wrong answer).
-    With `recover` (a managed server: lemon.run.servers), a connection error first calls recover(), which restarts a dead
-    server and returns its base URL, and the request is sent again: in-flight requests survive a crash.
-    At most `max_concurrency` requests are in flight per backend (a semaphore): callers beyond it wait here, so the request
-    timeout covers the server's work, not the queue.
-    json_mode: how `json_schema` is sent: "json_schema" is the OpenAI standard (vLLM, llama-server, Ollama, hosted APIs),
-    "json_object" is llama-cpp-python's server ({"type": "json_object", "schema": ...}).
-    extra_body: extra request fields (e.g. llama-server's top_k / min_p); kind: the name in manifests and node-cache keys.
-    on_retry(attempt, error, delay_s) is called before each backoff sleep; `retries` counts them all."""
+    Retry policy: connection errors (timeouts included), 429 and 5xx are retried up to `max_retries` times with
+    exponential backoff; then BackendUnavailableError (the executor stops the run: a dead server is never scored as a
+    wrong answer). With `recover` (a managed server: lemon.run.servers), a connection error first calls recover(), which
+    restarts a dead server and returns its base URL, and the request is sent again: in-flight requests survive a crash.
+    At most `max_concurrency` requests are in flight per backend (a semaphore): callers beyond it wait here, so the
+    request timeout covers the server's work, not the queue.
+    json_mode: how `json_schema` is sent: "json_schema" is the OpenAI standard (vLLM, llama-server, Ollama, hosted
+    APIs), "json_object" is llama-cpp-python's server ({"type": "json_object", "schema": ...}).
+    extra_body: extra request fields (e.g. llama-server's top_k / min_p); kind: the name in manifests and node-cache
+    keys. on_retry(attempt, error, delay_s) is called before each backoff sleep; `retries` counts them all."""
 
     supports_json_schema = True
 
-    def __init__(self, base_url: str, model: str, *, api_key: str = "EMPTY", timeout_s: float = 60, max_retries: int = 3,
-                 backoff_s: float = 0.5, max_concurrency: int = 4, json_mode: str = "json_schema",
+    def __init__(self, base_url: str, model: str, *, api_key: str = "EMPTY", timeout_s: float = 60,
+                 max_retries: int = 3, backoff_s: float = 0.5, max_concurrency: int = 4, json_mode: str = "json_schema",
                  on_retry: Callable[[int, Exception, float], None] | None = None,
                  recover: Callable[[], str] | None = None, extra_body: dict | None = None, kind: str = "openai",
                  info: Callable[[], dict] | None = None):
@@ -170,8 +171,10 @@ class OpenAIBackend:
     def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
         kw, where = {}, f"{self.backend} {self.base_url} ({self.model})"
         if params.json_schema is not None:
-            kw["response_format"] = {"type": "json_object", "schema": params.json_schema} if self.json_mode == "json_object" \
-                else {"type": "json_schema", "json_schema": {"name": "answer", "schema": params.json_schema, "strict": True}}
+            kw["response_format"] = {"type": "json_object", "schema": params.json_schema} \
+                if self.json_mode == "json_object" \
+                else {"type": "json_schema", "json_schema": {"name": "answer", "schema": params.json_schema,
+                                                             "strict": True}}
         if self.extra_body:
             kw["extra_body"] = self.extra_body
         last = None
@@ -188,8 +191,9 @@ class OpenAIBackend:
                     self._recover(last)
                 try:
                     r = self._client.chat.completions.create(
-                        model=self.model, messages=messages, max_tokens=params.max_tokens, temperature=params.temperature,
-                        top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None, **kw)
+                        model=self.model, messages=messages, max_tokens=params.max_tokens,
+                        temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                        stop=list(params.stop) or None, **kw)
                     break
                 except Exception as e:
                     if not self._retryable(e):
@@ -197,8 +201,8 @@ class OpenAIBackend:
                     last = e
             else:
                 raise BackendUnavailableError(
-                    f"{where}: unavailable after {self.max_retries + 1} attempts (exponential backoff from {self.backoff_s}s); "
-                    f"last error {type(last).__name__}: {last}") from last
+                    f"{where}: unavailable after {self.max_retries + 1} attempts (exponential backoff from "
+                    f"{self.backoff_s}s); last error {type(last).__name__}: {last}") from last
             dt = time.perf_counter() - t0
         if not r.choices or r.choices[0].message.content is None:  # never hand back a silent empty answer
             raise BackendError(f"{where}: response has no message content: {r!r:.300}")
@@ -219,7 +223,8 @@ class OpenAIBackend:
 
 class TransformersBackend:
     """HF transformers generate(). No constrained decoding: `json_schema` is ignored (supports_json_schema=False).
-    `model_or_path` is a loaded model (pass tokenizer=) or a path; extra kwargs go to from_pretrained (e.g. gguf_file)."""
+    `model_or_path` is a loaded model (pass tokenizer=) or a path; extra kwargs go to from_pretrained (e.g.
+    gguf_file)."""
 
     backend, max_concurrency, supports_json_schema = "transformers", 1, False  # 1: per-call torch seeding is global
 

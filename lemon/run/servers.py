@@ -1,17 +1,17 @@
 """llama.cpp's `llama-server` processes that lemon starts and owns: the embedded default's workers.
 
-One server per shipped model (capacity ladder small / medium / large, paper §3 — here SmolLM2-135M / Qwen2.5-Coder-0.5B /
--1.5B), each with several slots and continuous batching, so the agents of a DAG level, the questions of an eval and the
-rollouts of a GRPO group decode in one batch instead of one sequence at a time. The manager picks free ports, waits for
-`/health` before first use, logs each server to `<log_dir>/<alias>.log`, restarts a crashed server (the OpenAI backend then
-retries its in-flight requests: `ServerManager.backend`), and stops everything on close(), on interpreter exit, and — via
-PR_SET_PDEATHSIG — even when its own process is SIGKILLed. Servers run in their own process group, so a terminal Ctrl-C
-reaches lemon, which then shuts them down in order, instead of killing them mid-request.
+One server per shipped model (capacity ladder small / medium / large, paper §3 — here SmolLM2-135M / Qwen2.5-Coder-0.5B
+/ -1.5B), each with several slots and continuous batching, so the agents of a DAG level, the questions of an eval and
+the rollouts of a GRPO group decode in one batch instead of one sequence at a time. The manager picks free ports, waits
+for `/health` before first use, logs each server to `<log_dir>/<alias>.log`, restarts a crashed server (the OpenAI
+backend then retries its in-flight requests: `ServerManager.backend`), and stops everything on close(), on interpreter
+exit, and — via PR_SET_PDEATHSIG — even when its own process is SIGKILLed. Servers run in their own process group, so a
+terminal Ctrl-C reaches lemon, which then shuts them down in order, instead of killing them mid-request.
 
 Sizing (ServerConfig): `ctx_per_slot` = 8192 holds the spec schema's worst prompt (MAX_AGENTS = 8: a final agent sees 7
-parents x max_context_chars 2400 + the task + the templates, ~6k tokens) plus a 1k-token reply; `-c` = slots x ctx_per_slot
-(one private KV range per slot: `--no-kv-unified`). KV at f16 for 4 slots: 135M ~0.75 GB, 0.5B ~0.4 GB, 1.5B ~0.9 GB.
-Threads: every usable core per server, OpenMP waiters passive (ServerConfig.threads has the measurement).
+parents x max_context_chars 2400 + the task + the templates, ~6k tokens) plus a 1k-token reply; `-c` = slots x
+ctx_per_slot (one private KV range per slot: `--no-kv-unified`). KV at f16 for 4 slots: 135M ~0.75 GB, 0.5B ~0.4 GB,
+1.5B ~0.9 GB. Threads: every usable core per server, OpenMP waiters passive (ServerConfig.threads has the measurement).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ from pathlib import Path
 from lemon.run.backends import BackendUnavailableError, ModelUnavailableError, OpenAIBackend, usable_cores
 from lemon.run.models import ModelNotInstalledError, get_model
 
-SETUP_HINT = "run `bash scripts/setup.sh` (it builds llama-server into .venv/bin) or set LEMON_LLAMA_SERVER=/path/to/llama-server"
+SETUP_HINT = ("run `bash scripts/setup.sh` (it builds llama-server into .venv/bin) or set "
+              "LEMON_LLAMA_SERVER=/path/to/llama-server")
 
 
 class ServerError(BackendUnavailableError):
@@ -60,10 +61,10 @@ class ServerCrashedError(ServerError):
     """A server kept dying: it was restarted ServerConfig.max_restarts times already."""
 
 
-# Client settings under which a llama-server's greedy reply is reproducible: continuous batching decodes a request together
-# with whatever else is in flight, and ggml's CPU kernels do not give bit-identical results for different batch shapes, nor
-# for a prompt prefilled in pieces from its cache (llama.cpp issues #7052, #6950); one request at a time with the prompt cache
-# off removes both (measured: bench/flip_rate.py, outputs/reference/flip-rate-20261205).
+# Client settings under which a llama-server's greedy reply is reproducible: continuous batching decodes a request
+# together with whatever else is in flight, and ggml's CPU kernels do not give bit-identical results for different batch
+# shapes, nor for a prompt prefilled in pieces from its cache (llama.cpp issues #7052, #6950); one request at a time
+# with the prompt cache off removes both (measured: bench/flip_rate.py, outputs/reference/flip-rate-20261205).
 DETERMINISTIC = {"max_concurrency": 1, "extra_body": {"top_k": 0, "min_p": 0.0, "cache_prompt": False}}
 
 
@@ -72,14 +73,15 @@ class ServerConfig:
     """How one llama-server is run (the command line is in ServerManager._command)."""
 
     slots: int = 4
-    """Parallel sequences (`--parallel`); continuous batching decodes them together. Also the backend's max_concurrency."""
+    """Parallel sequences (`--parallel`); continuous batching decodes them together. Also the backend's
+    max_concurrency."""
     ctx_per_slot: int = 8192
     """KV tokens per slot (prompt + reply); `-c` = slots * ctx_per_slot. See the module docstring for the sizing."""
     threads: int | None = None
     """Decode threads (`-t`); None = every usable core. With `env`'s OMP_WAIT_POLICY=PASSIVE (this build's barriers are
-    OpenMP's) waiting threads sleep instead of spinning: measured here (bench/server_bench.py --only threads, LOG.md) -t 2
-    passive used as little CPU per token as -t 1 and took both cores when they were free, while -t 2 spinning used 2-4x
-    the CPU per token and collapsed beside other busy processes (2 shared cores)."""
+    OpenMP's) waiting threads sleep instead of spinning: measured here (bench/server_bench.py --only threads, LOG.md)
+    -t 2 passive used as little CPU per token as -t 1 and took both cores when they were free, while -t 2 spinning used
+    2-4x the CPU per token and collapsed beside other busy processes (2 shared cores)."""
     threads_batch: int | None = None
     """Prompt-processing threads (`-tb`); None = same as `threads`."""
     port: int | None = None
@@ -89,7 +91,8 @@ class ServerConfig:
     max_restarts: int = 3
     """Crashes tolerated per server before ServerCrashedError."""
     cache_ram_mib: int = 256
-    """llama-server's host-RAM prompt cache (`--cache-ram`); its default of 8 GiB per server is too much beside training."""
+    """llama-server's host-RAM prompt cache (`--cache-ram`); its default of 8 GiB per server is too much beside
+    training."""
     deterministic: bool = False
     """Replies that do not depend on what else is in flight: lemon's client sends one request at a time to this server
     and turns llama-server's prompt cache off (DETERMINISTIC). Greedy replies otherwise change with the batch they are
@@ -104,7 +107,8 @@ class ServerConfig:
         object.__setattr__(self, "env", tuple(tuple(kv) for kv in (self.env.items() if isinstance(self.env, dict)
                                                                     else self.env)))
         checks = [(isinstance(self.slots, int) and 1 <= self.slots <= 64, "slots must be an int in 1..64"),
-                  (isinstance(self.ctx_per_slot, int) and self.ctx_per_slot >= 512, "ctx_per_slot must be an int >= 512"),
+                  (isinstance(self.ctx_per_slot, int) and self.ctx_per_slot >= 512,
+                   "ctx_per_slot must be an int >= 512"),
                   (self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
                    "threads must be a positive int or None (every usable core)"),
                   (self.threads_batch is None or (isinstance(self.threads_batch, int) and self.threads_batch >= 1),
@@ -112,7 +116,8 @@ class ServerConfig:
                   (self.port is None or (isinstance(self.port, int) and 1024 <= self.port <= 65535),
                    "port must be None (a free port) or an int in 1024..65535"),
                   (self.startup_timeout_s > 0 and self.max_restarts >= 0, "startup_timeout_s > 0, max_restarts >= 0"),
-                  (isinstance(self.cache_ram_mib, int) and self.cache_ram_mib >= 0, "cache_ram_mib must be an int >= 0"),
+                  (isinstance(self.cache_ram_mib, int) and self.cache_ram_mib >= 0,
+                   "cache_ram_mib must be an int >= 0"),
                   (all(isinstance(a, str) for a in self.extra_args), "extra_args must be strings"),
                   (all(len(kv) == 2 and all(isinstance(x, str) for x in kv) for kv in self.env),
                    "env must be (name, value) string pairs or a dict")]
@@ -122,7 +127,8 @@ class ServerConfig:
 
 
 def find_binary(binary: str | Path | None = None) -> Path:
-    """The llama-server to run: `binary`, else $LEMON_LLAMA_SERVER, else this environment's bin/ (where setup.sh puts it)."""
+    """The llama-server to run: `binary`, else $LEMON_LLAMA_SERVER, else this environment's bin/ (where setup.sh puts
+    it)."""
     cand = binary or os.environ.get("LEMON_LLAMA_SERVER") or Path(sys.prefix) / "bin" / "llama-server"
     p = Path(cand)
     if not (p.is_file() and os.access(p, os.X_OK)):
@@ -131,7 +137,8 @@ def find_binary(binary: str | Path | None = None) -> Path:
 
 
 def build_info(binary: Path) -> dict:
-    """What setup.sh recorded about the build beside the binary (source sha256, cmake flags); {} for a foreign binary."""
+    """What setup.sh recorded about the build beside the binary (source sha256, cmake flags); {} for a foreign
+    binary."""
     stamp = binary.with_name(binary.name + ".build")
     if not stamp.is_file():
         return {}
@@ -214,8 +221,8 @@ class ServerManager:
         if not path.is_file():
             raise ModelUnavailableError(f"llama-server {alias!r}: model file {path} does not exist")
         if cfg.port is not None and not free_port(self.host, cfg.port):
-            raise PortInUseError(f"port {cfg.port} for llama-server {alias!r} is in use by another process; pick another "
-                                 "ServerConfig.port or leave it None to let lemon choose a free one")
+            raise PortInUseError(f"port {cfg.port} for llama-server {alias!r} is in use by another process; "
+                                 "pick another ServerConfig.port or leave it None to let lemon choose a free one")
         s = self.servers[alias] = ManagedServer(alias, path, cfg, self.log_dir / f"{_safe(alias)}.log")
         return s
 
@@ -279,8 +286,8 @@ class ServerManager:
         s = self.server(alias)
         if not s.alive():
             self.start()
-        # top_k=0 / min_p=0 switch off llama.cpp's extra default samplers: temperature / top_p then mean what they mean on
-        # an OpenAI server (and in the in-process backend this replaces)
+        # top_k=0 / min_p=0 switch off llama.cpp's extra default samplers: temperature / top_p then mean what they mean
+        # on an OpenAI server (and in the in-process backend this replaces)
         kw = {"timeout_s": 1800.0, "max_retries": 3, "backoff_s": 0.2, "max_concurrency": s.cfg.slots,
               "extra_body": {"top_k": 0, "min_p": 0.0}, **(DETERMINISTIC if s.cfg.deterministic else {}), **kw}
         return OpenAIBackend(s.url, alias, recover=lambda: self.ensure(alias), kind="llama_server",
@@ -289,8 +296,8 @@ class ServerManager:
     def describe_server(self, alias: str) -> dict:
         s = self.server(alias)
         return {"binary": str(self.binary), "build": self.build.get("key", "unknown (not built by scripts/setup.sh)"),
-                "config": asdict(s.cfg), "threads": self.threads(s), "model_path": str(s.model_path), "log": str(s.log_path), "port": s.port,
-                "restarts": s.restarts, "startup_s": s.startup_s}
+                "config": asdict(s.cfg), "threads": self.threads(s), "model_path": str(s.model_path),
+                "log": str(s.log_path), "port": s.port, "restarts": s.restarts, "startup_s": s.startup_s}
 
     def describe(self) -> dict:
         return {a: self.describe_server(a) for a in self.servers}
@@ -306,9 +313,10 @@ class ServerManager:
 
     def _command(self, s: ManagedServer) -> list[str]:
         c = s.cfg
-        return [str(self.binary), "-m", str(s.model_path), "--alias", s.alias, "--host", self.host, "--port", str(s.port),
-                "--parallel", str(c.slots), "--cont-batching", "--no-kv-unified", "-c", str(c.slots * c.ctx_per_slot),
-                "-t", str(self.threads(s)), "-tb", str(c.threads_batch or self.threads(s)), "--cache-ram", str(c.cache_ram_mib),
+        return [str(self.binary), "-m", str(s.model_path), "--alias", s.alias, "--host", self.host,
+                "--port", str(s.port), "--parallel", str(c.slots), "--cont-batching", "--no-kv-unified",
+                "-c", str(c.slots * c.ctx_per_slot), "-t", str(self.threads(s)),
+                "-tb", str(c.threads_batch or self.threads(s)), "--cache-ram", str(c.cache_ram_mib),
                 "--no-webui", "--jinja", *c.extra_args]
 
     def _spawn(self, s: ManagedServer) -> None:
@@ -353,10 +361,12 @@ class ServerManager:
         s.restarts += 1
         _stop(s.proc)
         with open(s.log_path, "ab") as f:
-            f.write(f"\n===== lemon: server {why} (code {s.proc.returncode if s.proc else None}); restart {s.restarts}\n"
+            f.write(f"\n===== lemon: server {why} (code {s.proc.returncode if s.proc else None}); restart "
+                    f"{s.restarts}\n"
                     .encode())
         if s.cfg.port is None and not free_port(self.host, s.port):
-            s.port = free_port(self.host)  # the old port was taken meanwhile: the backend gets the new URL from ensure()
+            # the old port was taken meanwhile: the backend gets the new URL from ensure()
+            s.port = free_port(self.host)
         self._spawn(s)
         self._wait_healthy(s)
 
@@ -369,9 +379,10 @@ class ServerManager:
 
 
 class _Spawner:
-    """Runs every fork on one long-lived daemon thread. PR_SET_PDEATHSIG fires when the *forking thread* exits, so a restart
-    triggered from a short-lived executor thread must not fork there; a daemon thread (unlike a ThreadPoolExecutor's) is
-    not joined before atexit handlers run, so close() still stops the servers gently at interpreter exit."""
+    """Runs every fork on one long-lived daemon thread. PR_SET_PDEATHSIG fires when the *forking thread* exits, so a
+    restart triggered from a short-lived executor thread must not fork there; a daemon thread (unlike a
+    ThreadPoolExecutor's) is not joined before atexit handlers run, so close() still stops the servers gently at
+    interpreter exit."""
 
     def __init__(self):
         self._q: queue.Queue = queue.Queue()

@@ -1,6 +1,6 @@
-"""The capacity-level worker pool that runs a spec's agents, a deterministic fake backend for control-flow tests, and the
-token meter. The real backends (OpenAI-compatible, transformers) and the shared types are in lemon.run.backends, the managed
-llama-servers of the embedded default in lemon.run.servers; both are re-exported here.
+"""The capacity-level worker pool that runs a spec's agents, a deterministic fake backend for control-flow tests, and
+the token meter. The real backends (OpenAI-compatible, transformers) and the shared types are in lemon.run.backends, the
+managed llama-servers of the embedded default in lemon.run.servers; both are re-exported here.
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from lemon.run.backends import Backend, Completion, OpenAIBackend, SamplingParams, TransformersBackend, UnknownCapacityError
-from lemon.run.backends import BackendError, BackendUnavailableError, ModelUnavailableError  # noqa: F401  (re-exported: callers catch these)
+from lemon.run.backends import (Backend, Completion, OpenAIBackend, SamplingParams, TransformersBackend,
+                                UnknownCapacityError)
+# re-exported: callers catch these
+from lemon.run.backends import BackendError, BackendUnavailableError, ModelUnavailableError  # noqa: F401
 from lemon.run.models import DEFAULT_LADDER, SHIPPED
 from lemon.run.servers import ServerConfig, ServerManager
 
@@ -71,7 +73,8 @@ class WorkerPool:
 
     def __post_init__(self):
         if set(self.params) - set(self.backends):
-            raise UnknownCapacityError(f"params for capacities without a backend: {sorted(set(self.params) - set(self.backends))}")
+            raise UnknownCapacityError("params for capacities without a backend: "
+                                       f"{sorted(set(self.params) - set(self.backends))}")
         self.params = {cap: self.params.get(cap) or SamplingParams(max_tokens=DEFAULT_MAX_TOKENS.get(cap, 256))
                        for cap in self.backends}
 
@@ -118,15 +121,16 @@ class WorkerPool:
         `log_dir` (give the run folder; default a fresh temp dir named in describe())."""
         srv = dataclasses.asdict(server or ServerConfig())
         return cls.from_config({**{cap: {"backend": "llama_server", "model": name, **srv}
-                                   for cap, name in (ladder or DEFAULT_LADDER).items()}, "max_tokens": max_tokens or {}},
+                                   for cap, name in (ladder or DEFAULT_LADDER).items()},
+                                "max_tokens": max_tokens or {}},
                                log_dir=log_dir)
 
     @classmethod
     def from_config(cls, cfg: dict, *, log_dir: str | Path | None = None) -> "WorkerPool":
         """cfg: {capacity: {"backend": name, "model": ..., other constructor kwargs}, "max_tokens": {capacity: n}}.
         Identical entries share one backend instance (one copy of the weights in memory). `llama_server` entries (alias
-        `llama_cpp`) name a shipped model or a GGUF path plus optional ServerConfig fields; the pool starts one server per
-        distinct entry and stops them on close(); their logs go to `log_dir`."""
+        `llama_cpp`) name a shipped model or a GGUF path plus optional ServerConfig fields; the pool starts one server
+        per distinct entry and stops them on close(); their logs go to `log_dir`."""
         if not isinstance(cfg, dict):
             raise ValueError(f"worker config must be a mapping, got {type(cfg).__name__}")
         cfg = dict(cfg)
@@ -169,20 +173,22 @@ class WorkerPool:
 
 
 def load_worker_config(path: str | Path) -> dict:
-    """A worker-pool file (YAML, or JSON: a subset of YAML) as the mapping WorkerPool.from_config takes: {capacity: entry,
-    "max_tokens": {capacity: n}}. The one reader of --workers files (`lemon eval/run/train`, the paper preset)."""
+    """A worker-pool file (YAML, or JSON: a subset of YAML) as the mapping WorkerPool.from_config takes: {capacity:
+    entry, "max_tokens": {capacity: n}}. The one reader of --workers files (`lemon eval/run/train`, the paper
+    preset)."""
     import yaml
     cfg = yaml.safe_load(Path(path).read_text())
     if not isinstance(cfg, dict) or not cfg:
-        raise ValueError(f"worker config {path} must be a non-empty mapping of capacity -> worker, got {type(cfg).__name__}")
+        raise ValueError(f"worker config {path} must be a non-empty mapping of capacity -> worker, got "
+                         f"{type(cfg).__name__}")
     if not isinstance(cfg.get("max_tokens") or {}, dict):
         raise ValueError(f"max_tokens in {path} must map capacity -> tokens")
     return cfg
 
 
 def _plan_servers(cfg: dict) -> dict[str, tuple[str, ServerConfig]]:
-    """alias -> (model, ServerConfig) for the distinct llama_server entries; the alias is the model's name (its file stem
-    for a path, or `name`), suffixed when one model runs under two configurations."""
+    """alias -> (model, ServerConfig) for the distinct llama_server entries; the alias is the model's name (its file
+    stem for a path, or `name`), suffixed when one model runs under two configurations."""
     plan, seen = {}, {}
     for cap, e in cfg.items():
         if e["backend"] not in SERVER_BACKENDS:
@@ -193,8 +199,8 @@ def _plan_servers(cfg: dict) -> dict[str, tuple[str, ServerConfig]]:
                              "nor a GGUF file")
         unknown = set(e) - {"backend", "model", "name", *SERVER_KEYS}
         if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)} for the {e['backend']} worker {cap!r}; valid: model, name, "
-                             f"{', '.join(SERVER_KEYS)}")
+            raise ValueError(f"unknown keys {sorted(unknown)} for the {e['backend']} worker {cap!r}; valid: "
+                             f"model, name, {', '.join(SERVER_KEYS)}")
         scfg = ServerConfig(**{k: v for k, v in e.items() if k in SERVER_KEYS})
         key = (model, json.dumps(dataclasses.asdict(scfg), sort_keys=True))
         if key in seen:
@@ -225,8 +231,8 @@ def _make_backend(entry: dict) -> Backend:
 
 
 class TokenMeter:
-    """Thread-safe token accounting per capacity and per model. Cached calls count their tokens too (the cost metric must
-    not depend on how warm the cache was) and are also counted as `cached_calls`."""
+    """Thread-safe token accounting per capacity and per model. Cached calls count their tokens too (the cost metric
+    must not depend on how warm the cache was) and are also counted as `cached_calls`."""
 
     _FIELDS = ("calls", "cached_calls", "prompt_tokens", "completion_tokens")
 

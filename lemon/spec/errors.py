@@ -1,5 +1,5 @@
-"""The named errors of spec parsing: one SpecError subclass per failure, each with a stable machine-readable `code` (logged
-per training step as spec/invalid_<code>, so a run shows WHY its rollouts were invalid)."""
+"""The named errors of spec parsing: one SpecError subclass per failure, each with a stable machine-readable `code`
+(logged per training step as spec/invalid_<code>, so a run shows WHY its rollouts were invalid)."""
 from __future__ import annotations
 
 
@@ -14,7 +14,8 @@ class SpecError(ValueError):
 
 
 def _err(code_: str, doc: str) -> type[SpecError]:
-    return type(f"Spec{''.join(w.title() for w in code_.split('_'))}Error", (SpecError,), {"code": code_, "__doc__": doc})
+    return type(f"Spec{''.join(w.title() for w in code_.split('_'))}Error", (SpecError,),
+                {"code": code_, "__doc__": doc})
 
 
 NoYamlError = _err("no_yaml", "The text holds no spec (no `agents:` block and no fenced YAML).")
@@ -35,4 +36,5 @@ UnknownCapacityError = _err("unknown_capacity", "capacity is not small / medium 
 UnknownBaseRoleError = _err("unknown_base_role", "base_role is not in the base-role library.")
 BadFinalError = _err("bad_final", "final does not name an agent.")
 TooLongError = _err("too_long", "A field (or the whole text) is longer than allowed.")
-BadTextError = _err("bad_text", "A string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text.")
+BadTextError = _err("bad_text",
+                    "A string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text.")

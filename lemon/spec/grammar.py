@@ -14,19 +14,21 @@ accepts, and exactly the text Spec.to_yaml() writes for a canonical() spec (the 
 
 Why this shape: the plain spec.json_schema() as a constraint gave 0/4 valid specs from
 the 0.5B at T=1, two running to the token cap inside unbounded strings and two naming non-agents in depends_on. So every
-string is bounded, ids are fixed by position (a1..an) and agent k's dependencies are a choice among a1..a(k-1), each at most
-once, in increasing order; `final` is always the last agent (paper §3.1: every agent can then matter). n is 1..max_agents.
+string is bounded, ids are fixed by position (a1..an) and agent k's dependencies are a choice among a1..a(k-1), each at
+most once, in increasing order; `final` is always the last agent (paper §3.1: every agent can then matter). n is
+1..max_agents.
 
-Why llguidance (bench/grammar_bench.py --libs on a shared 2-core machine, other jobs running):
-install 7.6 MB in 1.8 s with no dependencies, vs xgrammar 0.2.8's ~1 GB (triton 999 MB, apache-tvm-ffi) in 11 s; the same
-Lark text compiles in 0.01-0.02 s per grammar after a one-off 3-4 s tokenizer conversion (Qwen2.5; SmolLM2 0.4-1.2 s), vs
-xgrammar's 1.3-1.7 s tokenizer plus 6-12 s per grammar (one per domain and max_agents); mask + consume per decoding step
-at batch 8: 2.9-5.1 ms vs 3.3-8.8 ms (Qwen2.5), 0.9-1.4 ms vs 0.4-0.7 ms (SmolLM2), both far below a policy decoding step
-(~200-400 ms); both accepted all 64 canonical texts and rejected all 64 near-misses.
+Why llguidance (bench/grammar_bench.py --libs on a shared 2-core machine, other jobs running): install 7.6 MB in 1.8 s
+with no dependencies, vs xgrammar 0.2.8's ~1 GB (triton 999 MB, apache-tvm-ffi) in 11 s; the same Lark text compiles in
+0.01-0.02 s per grammar after a one-off 3-4 s tokenizer conversion (Qwen2.5; SmolLM2 0.4-1.2 s), vs xgrammar's 1.3-1.7 s
+tokenizer plus 6-12 s per grammar (one per domain and max_agents); mask + consume per decoding step at batch 8: 2.9-5.1
+ms vs 3.3-8.8 ms (Qwen2.5), 0.9-1.4 ms vs 0.4-0.7 ms (SmolLM2), both far below a policy decoding step (~200-400 ms);
+both accepted all 64 canonical texts and rejected all 64 near-misses.
 
 Canonical value paths: compiled for a tokenizer, each base_role and capacity value is a sequence of token-id terminals
-(`<[id]>`), the tokens the tokenizer itself gives it in a spec text, so one choice has one token path and one probability
-(GrammarCache.matcher; canonical=False keeps the text-only grammar, where ' large' is also ' l'+'arge', ' la'+'rge', ...).
+(`<[id]>`), the tokens the tokenizer itself gives it in a spec text, so one choice has one token path and one
+probability (GrammarCache.matcher; canonical=False keeps the text-only grammar, where ' large' is also ' l'+'arge',
+' la'+'rge', ...).
 
 Compiling (a tokenizer's vocabulary trie, ~1 s; a grammar's parser) happens once per (tokenizer, SpecGrammar) in a
 GrammarCache that callers create and pass around (the trainer holds one); rows get cheap copies of the compiled matcher.
@@ -50,12 +52,14 @@ class GrammarUnavailableError(ImportError):
     """The constrained-decoding library is not installed."""
 
     def __init__(self):
-        super().__init__(f"grammar-constrained sampling needs llguidance: `.venv/bin/pip install -c constraints.txt {PIN}` "
-                         "(it is in requirements.txt), or sample unconstrained (constraint=None)")
+        super().__init__("grammar-constrained sampling needs llguidance: `.venv/bin/pip install -c "
+                         f"constraints.txt {PIN}` (it is in requirements.txt), or sample unconstrained "
+                         "(constraint=None)")
 
 
 class GrammarError(ValueError):
-    """llguidance rejected a grammar or a matcher entered an error state (a bug in this module or a misuse: say which)."""
+    """llguidance rejected a grammar or a matcher entered an error state (a bug in this module or a misuse: say
+    which)."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,14 @@ class SpecGrammar:
         if not 1 <= self.max_agents <= 16:
             raise ValueError(f"max_agents={self.max_agents} must be in 1..16 (the orchestrator's bound)")
         if not 2 <= self.role_chars <= MAX_LEN["role"] or not 2 <= self.duty_chars <= MAX_LEN["duty"]:
-            raise ValueError(f"role_chars={self.role_chars} / duty_chars={self.duty_chars} must be in 2..{MAX_LEN['role']} / "
-                             f"2..{MAX_LEN['duty']}: beyond parse_spec's limits a grammar text would not parse")
+            raise ValueError(f"role_chars={self.role_chars} / duty_chars={self.duty_chars} must be in "
+                             f"2..{MAX_LEN['role']} / 2..{MAX_LEN['duty']}: beyond parse_spec's limits a grammar text "
+                             "would not parse")
 
     @classmethod
     def for_domain(cls, prompts: Prompts, domain: str, **kw) -> "SpecGrammar":
-        """The grammar of specs for a task of `domain` (its base roles plus the common ones, as the prompt lists them)."""
+        """The grammar of specs for a task of `domain` (its base roles plus the common ones, as the prompt lists
+        them)."""
         return cls(tuple(prompts.roles_for(domain)), **kw)
 
     def lark(self, value_tokens: Mapping[str, Mapping[str, Sequence[int] | None]] | None = None) -> str:
@@ -129,8 +135,8 @@ def canonical_value_tokens(hf_tokenizer, base_roles: Sequence[str]) -> dict[str,
     """{'base_role': {value: ids}, 'capacity': {value: ids}}: the token ids the tokenizer itself gives the space and the
     value in a complete spec text (Spec.to_yaml() of a one-agent spec), or None for a value whose tokens do not start
     right after the key's colon and end right before the newline (the grammar then keeps it as text). Both shipped
-    byte-level BPEs split ': large\\n' as ':' | ' large' | '\\n...' (their pre-tokenisers cut before a space-letter run and
-    before a newline), so every value is delimited there."""
+    byte-level BPEs split ': large\\n' as ':' | ' large' | '\\n...' (their pre-tokenisers cut before a space-letter
+    run and before a newline), so every value is delimited there."""
     out: dict[str, dict[str, tuple[int, ...] | None]] = {"base_role": {}, "capacity": {}}
     for fld, values in (("base_role", base_roles), ("capacity", CAPACITIES)):
         for v in values:
@@ -162,8 +168,8 @@ def grammars_for(prompts: Prompts, domains: Sequence[str], **kw) -> list[SpecGra
 
 
 class GrammarCache:
-    """Compiled grammars, one per (tokenizer, vocabulary size, EOS ids, SpecGrammar), created by the caller and passed in
-    explicitly. `compiles` and `compile_s` count the work done (a test checks reuse; a bench prints the time)."""
+    """Compiled grammars, one per (tokenizer, vocabulary size, EOS ids, SpecGrammar), created by the caller and passed
+    in explicitly. `compiles` and `compile_s` count the work done (a test checks reuse; a bench prints the time)."""
 
     def __init__(self):
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf tokenizer -> {(n_vocab, eos): key}
@@ -175,8 +181,8 @@ class GrammarCache:
 
     def tokenizer(self, hf_tokenizer, *, n_vocab: int | None = None, eos_ids: Sequence[int] | None = None):
         """(key, llguidance LLTokenizer) for a HF fast tokenizer. n_vocab = the model's logits width (may exceed the
-        tokenizer's length: those ids are never allowed); eos_ids = the ids generate() stops on (allowed once the spec is
-        complete)."""
+        tokenizer's length: those ids are never allowed); eos_ids = the ids generate() stops on (allowed once the spec
+        is complete)."""
         llg, llg_hf = require_llguidance()
         eos = tuple(eos_ids) if eos_ids is not None else (hf_tokenizer.eos_token_id,)
         sub = (n_vocab, eos)

@@ -1,8 +1,8 @@
 """The orchestration specification: schema, parsing with named errors, DAG levels, canonical YAML and field spans.
 
-A spec is the YAML document the orchestrator writes (paper §3.1): a list of agents, each with an id, an inherited `base_role`,
-a customized `role` name and `duty`, a `capacity` level (which worker model runs it) and `depends_on` (ids of EARLIER agents),
-plus `final`, the agent whose output is the answer. Example:
+A spec is the YAML document the orchestrator writes (paper §3.1): a list of agents, each with an id, an inherited
+`base_role`, a customized `role` name and `duty`, a `capacity` level (which worker model runs it) and `depends_on` (ids
+of EARLIER agents), plus `final`, the agent whose output is the answer. Example:
 
     agents:
       - id: plan
@@ -30,11 +30,13 @@ from typing import Iterable, Mapping
 import yaml
 
 from lemon.prompts import CAPACITIES, default_prompts
-from lemon.spec.errors import (BadFinalError, BadTextError, BadIdError, DuplicateDependencyError, DuplicateIdError, EmptyError,  # noqa: F401
-                          ForwardDependencyError, MissingFieldError, NotMappingError, NoYamlError, SelfDependencyError,
-                          SpecError, TooLongError, TooManyAgentsError, UnknownBaseRoleError, UnknownCapacityError,
-                          UnknownDependencyError, UnknownFieldError, WrongTypeError, YamlSyntaxError)  # re-exported
-from lemon.spec.yamlio import _STR_TAG, Span, _kind, _mapping, _span, extract_yaml  # noqa: F401  (extract_yaml re-exported)
+from lemon.spec.errors import (BadFinalError, BadTextError, BadIdError, DuplicateDependencyError,  # noqa: F401
+                               DuplicateIdError, EmptyError, ForwardDependencyError, MissingFieldError, NotMappingError,
+                               NoYamlError, SelfDependencyError, SpecError, TooLongError, TooManyAgentsError,
+                               UnknownBaseRoleError, UnknownCapacityError, UnknownDependencyError, UnknownFieldError,
+                               WrongTypeError, YamlSyntaxError)  # re-exported
+# extract_yaml is re-exported
+from lemon.spec.yamlio import _STR_TAG, Span, _kind, _mapping, _span, extract_yaml  # noqa: F401
 
 MAX_AGENTS = 8
 MAX_TEXT_CHARS = 12_000
@@ -149,12 +151,13 @@ def _scalar(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 
 
-# ---- the canonical form (lemon.spec.grammar's language) -----------------------------------------------------------------
-# role / duty alphabet of the constrained grammar: ASCII letters, digits, space and TEXT_PUNCT; no quote, backslash, colon
-# or '#', so a double-quoted value needs no escape and cannot end the YAML scalar early. Starts with a letter, ends with a
-# non-space (parse_spec strips values, so a trailing space could not round-trip).
+# ---- the canonical form (lemon.spec.grammar's language) --------------------------------------------------------------
+# role / duty alphabet of the constrained grammar: ASCII letters, digits, space and TEXT_PUNCT; no quote, backslash,
+# colon or '#', so a double-quoted value needs no escape and cannot end the YAML scalar early. Starts with a letter,
+# ends with a non-space (parse_spec strips values, so a trailing space could not round-trip).
 TEXT_PUNCT = " ,.;()'/?!+*=<>-"
-ROLE_CHARS, DUTY_CHARS = 48, 200  # grammar bounds: an unbounded string ran to the token cap (2 of 4 samples at T=1; lemon.spec.grammar)
+# grammar bounds: an unbounded string ran to the token cap (2 of 4 samples at T=1; lemon.spec.grammar)
+ROLE_CHARS, DUTY_CHARS = 48, 200
 _TEXT_MAP = {":": " -", '"': "'", "\\": "/", "#": "no. ", "%": " percent", "&": " and ", "_": " ", "[": "(", "]": ")",
              "{": "(", "}": ")", "|": "/", "`": "'", "\u2018": "'", "\u2019": "'", "\u201c": "'", "\u201d": "'",
              "\u2013": "-", "\u2014": "-", "\u2212": "-", "\u00d7": "*", "\u00f7": "/"}
@@ -162,8 +165,8 @@ _TEXT_MAP = {":": " -", '"': "'", "\\": "/", "#": "no. ", "%": " percent", "&": 
 
 def clean_text(s: str, max_chars: int) -> str:
     """s in the grammar's role/duty alphabet: mapped punctuation (':' -> ' -', '"' -> "'", ...), accents dropped (NFKD),
-    other characters removed, whitespace runs collapsed, leading non-letters dropped, clipped to max_chars. '' if nothing
-    is left. Identity on text already in the alphabet with single spaces."""
+    other characters removed, whitespace runs collapsed, leading non-letters dropped, clipped to max_chars. '' if
+    nothing is left. Identity on text already in the alphabet with single spaces."""
     out = []
     for ch in s:
         ch = _TEXT_MAP.get(ch, ch)
@@ -218,7 +221,8 @@ def parse_spec(text: str, *, base_roles: Iterable[str] | None = None, max_agents
 
 def _join_surrogates(s: str, where: str, name: str) -> str:
     """JSON's escapes of an astral character ("\\ud83d\\ude00", json.dumps' default for an emoji) reach us as two lone
-    surrogates, which cannot be encoded, re-dumped or tokenized: join the pairs; a lone one is not text (BadTextError)."""
+    surrogates, which cannot be encoded, re-dumped or tokenized: join the pairs; a lone one is not text
+    (BadTextError)."""
     if not any("\ud800" <= c <= "\udfff" for c in s):
         return s
     try:
@@ -255,7 +259,8 @@ def _build(root, text: str, off: int, roles: set[str], max_agents: int) -> Spec:
         raise TooManyAgentsError(f"{len(anode.value)} agents > max_agents={max_agents}", "agents")
     # every id written anywhere, so a reference to a later agent is told apart from a typo
     all_ids = {v.value for n in anode.value if isinstance(n, yaml.MappingNode)
-               for k, v in n.value if isinstance(k, yaml.ScalarNode) and k.value == "id" and isinstance(v, yaml.ScalarNode)}
+               for k, v in n.value
+               if isinstance(k, yaml.ScalarNode) and k.value == "id" and isinstance(v, yaml.ScalarNode)}
     agents: list[Agent] = []
     spans: list[AgentSpans] = []
     ids: list[str] = []
@@ -321,8 +326,8 @@ def _deps(entry, earlier: list[str], all_ids: set[str], aid: str, where: str, of
 
 
 def json_schema(base_roles: Iterable[str] | None = None, max_agents: int = MAX_AGENTS) -> dict:
-    """JSON Schema of a spec, for constrained decoding (JSON is YAML, so a constrained JSON answer goes through parse_spec).
-    It cannot express 'depends_on names earlier ids'; parse_spec still checks that."""
+    """JSON Schema of a spec, for constrained decoding (JSON is YAML, so a constrained JSON answer goes through
+    parse_spec). It cannot express 'depends_on names earlier ids'; parse_spec still checks that."""
     roles = sorted(base_roles) if base_roles is not None else sorted(default_prompts().roles_for(None))
     s = lambda n: {"type": "string", "minLength": 1, "maxLength": n}  # noqa: E731
     agent = {"type": "object", "additionalProperties": False, "required": list(AGENT_FIELDS),

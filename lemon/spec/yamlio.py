@@ -1,5 +1,6 @@
 """YAML plumbing of spec parsing: find the spec inside a model completion, and read PyYAML's node tree safely (character
-spans of values, no aliases, no duplicate or non-string keys). lemon.spec builds and validates the Spec on top of this."""
+spans of values, no aliases, no duplicate or non-string keys). lemon.spec builds and validates the Spec on top of
+this."""
 from __future__ import annotations
 
 import re
@@ -18,8 +19,9 @@ _TOP = re.compile(r"^(agents|final)[ \t]*:", re.M)
 
 
 def extract_yaml(text: str) -> tuple[str, int]:
-    """Return (yaml_text, offset of yaml_text in text). Accepts a bare spec, a ```yaml fenced block (closing fence optional:
-    a truncated completion still parses or fails on its own), or a spec with lines of prose before / after it."""
+    """Return (yaml_text, offset of yaml_text in text). Accepts a bare spec, a ```yaml fenced block (closing fence
+    optional: a truncated completion still parses or fails on its own), or a spec with lines of prose before / after
+    it."""
     m = _FENCE.search(text)
     if m:
         start = m.end()
@@ -27,7 +29,8 @@ def extract_yaml(text: str) -> tuple[str, int]:
         return text[start:end if end >= 0 else len(text)], start
     brace = re.search(r"^[ \t]*\{", text, re.M)
     top = _TOP.search(text)
-    if brace and (top is None or brace.start() < top.start()):  # a JSON/flow document (e.g. schema-constrained decoding)
+    # a JSON/flow document (e.g. schema-constrained decoding)
+    if brace and (top is None or brace.start() < top.start()):
         start = brace.end() - 1
         end = text.rfind("}") + 1
         return text[start:end if end > start else len(text)], start
@@ -48,8 +51,8 @@ def extract_yaml(text: str) -> tuple[str, int]:
 
 
 def _span(node, off: int) -> Span:
-    # A block collection's end mark sits at the start of the next token: trim the trailing whitespace/newlines so the span
-    # covers the value's own characters only (the CF loss must not touch the next key's tokens).
+    # A block collection's end mark sits at the start of the next token: trim the trailing whitespace/newlines so the
+    # span covers the value's own characters only (the CF loss must not touch the next key's tokens).
     buf = node.end_mark.buffer or ""
     end = node.end_mark.index
     if buf:

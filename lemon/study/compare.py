@@ -3,8 +3,8 @@
 Two methods evaluated on the same EVAL-pool questions (same ids, same seed) are compared question by question: the
 difference in accuracy, a percentile bootstrap CI over questions (resampled within each benchmark, so every resample
 keeps the benchmark mix), the discordant counts (A right and B wrong, and the reverse) and the exact two-sided McNemar
-p-value (a binomial test on the discordant pairs). A comparison whose CI includes 0 says so in words: at that n it cannot
-tell the methods apart, which is different from "no effect". Also what the compared policies' specs look like
+p-value (a binomial test on the discordant pairs). A comparison whose CI includes 0 says so in words: at that n it
+cannot tell the methods apart, which is different from "no effect". Also what the compared policies' specs look like
 (spec_composition: a policy collapsed to one spec is a finding). Pure functions of results.jsonl rows; summary.md leads
 with lemon.study.plots.headline_md.
 """
@@ -86,8 +86,9 @@ def comparisons(pairs: list[tuple[str, str, dict, dict]]) -> pd.DataFrame:
         if res is None:
             continue
         out.append({"A": a, "B": b, "n": res["n"], "acc A": res["acc_a"], "acc B": res["acc_b"], "delta": res["delta"],
-                    "95% CI": f"[{res['ci'][0]:+.3f}, {res['ci'][1]:+.3f}]", "A only / B only": f"{res['wins']} / {res['losses']}",
-                    "McNemar p": res["p_mcnemar"], "verdict": verdict(res, a, b)})
+                    "95% CI": f"[{res['ci'][0]:+.3f}, {res['ci'][1]:+.3f}]",
+                    "A only / B only": f"{res['wins']} / {res['losses']}", "McNemar p": res["p_mcnemar"],
+                    "verdict": verdict(res, a, b)})
     return pd.DataFrame(out)
 
 
@@ -102,7 +103,8 @@ def study_comparisons(cfg, root: Path) -> pd.DataFrame:
         if cfg.is_main_run(v):
             continue
         name = "sft (warm start, no RL)" if v == "sft" else f"{v} ({cfg.ablation_steps} steps)"
-        pairs.append(("lemon", name, lemon, load_rows({b: paths.variant_eval_dir(v, b) for b in cfg.ablation_benchmarks})))
+        pairs.append(("lemon", name, lemon,
+                      load_rows({b: paths.variant_eval_dir(v, b) for b in cfg.ablation_benchmarks})))
     for m in cfg.eval_methods:
         if m != "lemon":
             label = m if m == "prompted" or "@" in m else f"{m}@{cfg.baseline_capacity}"
@@ -155,10 +157,12 @@ def spec_composition(specs: dict[str, dict], reference: str | tuple[str, ...] | 
         row = {"method": m, "n": len(ss), "valid": len(valid) / len(ss) if ss else float("nan"),
                "distinct": len({_shape(s) for s in valid}),
                "agents": float(np.mean([len(s.agents) for s in valid])) if valid else float("nan"),
-               "edges": float(np.mean([sum(len(a.depends_on) for a in s.agents) for s in valid])) if valid else float("nan")}
+               "edges": (float(np.mean([sum(len(a.depends_on) for a in s.agents) for s in valid])) if valid
+                         else float("nan"))}
         for c in ("small", "medium", "large"):
             row[f"{c} share"] = sum(a.capacity == c for a in agents) / len(agents) if agents else float("nan")
-        row["final large"] = float(np.mean([s.agent(s.final).capacity == "large" for s in valid])) if valid else float("nan")
+        row["final large"] = (float(np.mean([s.agent(s.final).capacity == "large" for s in valid])) if valid
+                              else float("nan"))
         for ref in (r for r in refs if r in specs):  # the reference's own row names it instead of leaving a nan
             shared = sorted(set(by_q) & set(specs[ref]))
             row[f"differs from {ref}"] = "(reference)" if m == ref else \

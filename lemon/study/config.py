@@ -1,5 +1,6 @@
 """The study's configuration: one frozen StudyConfig per run, built from a profile of configs/profiles.yaml (smoke,
-test, cpu, cpu-long, cpu-wide, paper; lemon.study.profiles reads it). lemon.study.runner re-exports everything here (notebooks call `study.study_preset`, `study.setup`)."""
+test, cpu, cpu-long, cpu-wide, paper; lemon.study.profiles reads it). lemon.study.runner re-exports everything here
+(notebooks call `study.study_preset`, `study.setup`)."""
 from __future__ import annotations
 
 import sys
@@ -22,14 +23,16 @@ STUDY_PROFILES = {name: p.base for name, p in load_profiles().items()}
 MATH = ("multiarith", "svamp", "gsm8k")
 NOTEBOOKS = ("01_prepare_data", "02_train_grpo_lora", "03_ablations", "04_evaluate")
 FIXED = "best-fixed"  # eval method: the one fixed method (baseline spec) that scores best on a TRAIN-pool dev sample
-ORCHESTRATORS = ("prompted", "lemon")  # eval methods besides the baselines: the untrained prompted worker, the trained policy
-VARIANTS = {"sft": None, "global": {"cf_lambda": 0.0}, "full": {},  # sft = warm start only (no RL); full = CF over all families
+# eval methods besides the baselines: the untrained prompted worker, the trained policy
+ORCHESTRATORS = ("prompted", "lemon")
+# sft = warm start only (no RL); full = CF over all families
+VARIANTS = {"sft": None, "global": {"cf_lambda": 0.0}, "full": {},
             **{f: {"cf_families": (f,)} for f in FAMILIES}}  # one edit family alone
 
 
 def split_method(method: str) -> tuple[str, str | None]:
-    """'cot@large' -> ('cot', 'large'): an eval method may pin its baseline's capacity; 'cot' -> ('cot', None), which runs
-    at StudyConfig.baseline_capacity."""
+    """'cot@large' -> ('cot', 'large'): an eval method may pin its baseline's capacity; 'cot' -> ('cot', None), which
+    runs at StudyConfig.baseline_capacity."""
     name, _, cap = method.partition("@")
     return name, cap or None
 
@@ -99,25 +102,29 @@ class StudyConfig:
     bit-identical to concurrency 1 (batch shape changes greedy replies, lemon.run.servers.DETERMINISTIC)."""
     policy_server: bool = False
     """Trained policies write their evaluation specs on llama-server (lemon.policy.served: the same F32 weights and
-    llguidance greedy, token for token the transformers specs; ~9x faster for the 0.5B, bench/served_policy_bench.py)."""
+    llguidance greedy, token for token the transformers specs; ~9x faster for the 0.5B,
+    bench/served_policy_bench.py)."""
 
     def __post_init__(self):
         if self.profile in STUDY_PROFILES and self.train.profile != STUDY_PROFILES[self.profile]:
-            raise ValueError(f"profile={self.profile!r} starts from the {STUDY_PROFILES[self.profile]!r} trainer preset "
-                             f"(configs/profiles.yaml), but train.profile={self.train.profile!r}: build it with study_preset")
+            raise ValueError(f"profile={self.profile!r} starts from the {STUDY_PROFILES[self.profile]!r} "
+                             f"trainer preset (configs/profiles.yaml), but train.profile={self.train.profile!r}: build "
+                             "it with study_preset")
         if self.protocol not in B.PROTOCOLS:
             raise ValueError(f"protocol={self.protocol!r}; valid: {', '.join(B.PROTOCOLS)}")
         for name in (*self.benchmarks, *self.ablation_benchmarks):
             B.get_benchmark(name)  # raises UnknownBenchmarkError naming the valid ones
-        pinned_ok = lambda n, c: n in BASELINES and c in CAPACITIES  # noqa: E731  ('cot@large'; no capacity for 'lemon')
-        ok = lambda m, extra: pinned_ok(*split_method(m)) if split_method(m)[1] else m in BASELINES + extra  # noqa: E731
+        # pinned: 'cot@large'; no capacity for 'lemon'
+        pinned_ok = lambda n, c: n in BASELINES and c in CAPACITIES  # noqa: E731
+        ok = lambda m, extra: (pinned_ok(*split_method(m)) if split_method(m)[1]  # noqa: E731
+                               else m in BASELINES + extra)
         bad = [m for m in self.eval_methods if not ok(m, ORCHESTRATORS + (FIXED,))]
         bad += [f"fixed_candidates: {m}" for m in self.fixed_candidates if not ok(m, ())]
         if bad or not self.fixed_candidates or self.fixed_dev_n < 1:
             raise ValueError(f"unknown eval methods {bad} (or no fixed_candidates / fixed_dev_n < 1); valid: "
                              f"{', '.join(BASELINES + ORCHESTRATORS + (FIXED,))}, a baseline may name its capacity as "
-                             f"'<baseline>@<capacity>' ({', '.join(CAPACITIES)}), e.g. 'cot@large'; fixed_candidates are "
-                             f"baselines")
+                             f"'<baseline>@<capacity>' ({', '.join(CAPACITIES)}), e.g. 'cot@large'; "
+                             f"fixed_candidates are baselines")
         if not isinstance(self.eval_concurrency, int) or self.eval_concurrency < 1:
             raise ValueError(f"eval_concurrency={self.eval_concurrency!r} must be an int >= 1 (questions in flight)")
         bad = [v for v in self.ablation_variants if v not in VARIANTS]
@@ -128,15 +135,18 @@ class StudyConfig:
         cap = self.eval_n or 10**9
         for k in ("edit_n", "ablation_n"):
             if not 0 <= getattr(self, k) <= cap:
-                raise ValueError(f"{k}={getattr(self, k)} must be in 0..eval_n={self.eval_n}: its questions are a prefix of the eval sample")
+                raise ValueError(f"{k}={getattr(self, k)} must be in 0..eval_n={self.eval_n}: its questions are a "
+                                 "prefix of the eval sample")
         if min(self.edit_specs, self.edit_sites, self.ablation_steps, self.sc_k, self.dev_every) < 1 or self.dev_n < 0:
             raise ValueError("edit_specs, edit_sites, ablation_steps, sc_k and dev_every must be >= 1, dev_n >= 0")
         if self.dev_n and self.dev_every % self.train.save_steps:
-            raise ValueError(f"dev_every={self.dev_every} must be a multiple of train.save_steps={self.train.save_steps}: "
-                             "only saved checkpoints can be evaluated")
+            raise ValueError(f"dev_every={self.dev_every} must be a multiple of "
+                             f"train.save_steps={self.train.save_steps}: only saved checkpoints can be evaluated")
         if {self.baseline_capacity, self.orchestrator_capacity} - set(CAPACITIES):
-            raise ValueError(f"capacities {self.baseline_capacity!r} / {self.orchestrator_capacity!r}; valid: {', '.join(CAPACITIES)}")
-        EvalConfig("tree", "gsm8k", capacity=self.baseline_capacity, n_agents=self.n_agents, k=self.sc_k)  # same checks as eval
+            raise ValueError(f"capacities {self.baseline_capacity!r} / {self.orchestrator_capacity!r}; valid: "
+                             f"{', '.join(CAPACITIES)}")
+        # same checks as eval
+        EvalConfig("tree", "gsm8k", capacity=self.baseline_capacity, n_agents=self.n_agents, k=self.sc_k)
         OrchestratorConfig(capacity=self.orchestrator_capacity, max_tokens=self.orchestrator_max_tokens)
         if self.policy_server and self.train.policy.model not in SHIPPED:
             raise ValueError(f"policy_server=True serves a shipped GGUF policy; {self.train.policy.model!r} is not one "
@@ -178,8 +188,8 @@ def _trainer_of(p: Profile, seed: int, sets: dict, workers: str | None) -> tuple
 def train_sft_preset(profile: str, seed: int = 0, *, sets: dict | None = None, workers: str | None = None,
                      profiles_file=PROFILES_FILE) -> tuple[TrainConfig, SFTConfig]:
     """The trainer and warm-start configs of a profile: its base presets (seeded with `seed`), the profile's train / sft
-    overrides, `workers` (a --workers file replacing train.workers), then `sets` ({'train.FIELD' or 'sft.FIELD': value}).
-    `python -m lemon train --profile P` and the study of P (notebook 02) train with exactly these."""
+    overrides, `workers` (a --workers file replacing train.workers), then `sets` ({'train.FIELD' or 'sft.FIELD':
+    value}). `python -m lemon train --profile P` and the study of P (notebook 02) train with exactly these."""
     bad = [k for k in sets or {} if not _trainer_key(k)]
     if bad:
         raise ProfileError(f"--set {bad}: trainer settings are train.FIELD or sft.FIELD (e.g. train.max_steps=8)")
@@ -189,8 +199,8 @@ def train_sft_preset(profile: str, seed: int = 0, *, sets: dict | None = None, w
 def study_preset(profile: str, seed: int = 0, *, sets: dict | None = None, workers: str | None = None,
                  profiles_file=PROFILES_FILE, **overrides) -> StudyConfig:
     """The study of a profile of configs/profiles.yaml: train_sft_preset's trainer and warm start, the profile's study
-    overrides, then `sets` (parsed --set items: StudyConfig fields, train.FIELD, sft.FIELD), then `overrides` (StudyConfig
-    fields, for code and tests)."""
+    overrides, then `sets` (parsed --set items: StudyConfig fields, train.FIELD, sft.FIELD), then `overrides`
+    (StudyConfig fields, for code and tests)."""
     sets = sets or {}
     p = get_profile(profile, profiles_file)
     train, sft = _trainer_of(p, seed, {k: v for k, v in sets.items() if _trainer_key(k)}, workers)

@@ -1,4 +1,5 @@
-"""The layout of one study folder (its own module so runner, plots and compare all read it without importing each other)."""
+"""The layout of one study folder (its own module so runner, plots and compare all read it without importing each
+other)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class StudyPaths:
     def require(self, path: Path, notebook: str) -> Path:
         """`path`, or a FileNotFoundError naming the notebook that writes it (nothing is recomputed silently)."""
         if not Path(path).exists():
-            raise FileNotFoundError(f"{path} is missing: run notebooks/{notebook}.ipynb first with out_dir={str(self.root)!r} "
-                                    f"(or the whole study: scripts/main.sh --out {self.root})")
+            raise FileNotFoundError(f"{path} is missing: run notebooks/{notebook}.ipynb first with "
+                                    f"out_dir={str(self.root)!r} (or the whole study: scripts/main.sh --out "
+                                    f"{self.root})")
         return Path(path)

@@ -57,7 +57,8 @@ def load_profiles(path: str | Path = PROFILES_FILE) -> dict[str, Profile]:
         if bad:
             raise ProfileError(f"{path}: profile {name!r} has unknown keys {sorted(bad)}; valid: {sorted(_KEYS)}")
         if entry.get("base") not in BASES:
-            raise ProfileError(f"{path}: profile {name!r} needs base: one of {', '.join(BASES)} (got {entry.get('base')!r})")
+            raise ProfileError(f"{path}: profile {name!r} needs base: one of {', '.join(BASES)} (got "
+                               f"{entry.get('base')!r})")
         for k in ("train", "sft", "study"):
             if not isinstance(entry.get(k) or {}, dict):
                 raise ProfileError(f"{path}: profile {name!r}: {k} must be a mapping of field -> value")

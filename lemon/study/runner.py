@@ -1,9 +1,10 @@
 """The user-facing study: notebooks 01 (data) -> 02 (SFT + CF-GRPO) -> 03 (ablations) -> 04 (evaluation), executed with
 papermill into outputs/<profile>-<timestamp>/ by ONE command
 (`scripts/main.sh --profile test|smoke|cpu|cpu-long|cpu-wide|paper [--out DIR | --resume]`).
-Here: the folder layout and the runner (the config of each profile: lemon.study.config); what each notebook computes is in lemon.study.stages,
-the plots and summary tables in lemon.study.plots; the notebooks orchestrate and display. Every step resumes: notebooks that finished
-are skipped (a marker under .done/), and inside a notebook training resumes from checkpoints and evaluation from results.jsonl.
+Here: the folder layout and the runner (the config of each profile: lemon.study.config); what each notebook computes is
+in lemon.study.stages, the plots and summary tables in lemon.study.plots; the notebooks orchestrate and display. Every
+step resumes: notebooks that finished are skipped (a marker under .done/), and inside a notebook training resumes from
+checkpoints and evaluation from results.jsonl.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from lemon import benchmarks as B
@@ -36,11 +36,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def resolve_out_dir(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, root: Path = ROOT,
                     newest_ok: bool = False) -> Path:
-    """`out_dir` when given; with `resume` (or `newest_ok` and one exists) the newest outputs/<profile>-<timestamp>; else a
-    new timestamped folder (not created here)."""
+    """`out_dir` when given; with `resume` (or `newest_ok` and one exists) the newest outputs/<profile>-<timestamp>;
+    else a new timestamped folder (not created here)."""
     if out_dir:
         return Path(out_dir).resolve()
-    runs = sorted(p for p in (root / "outputs").glob(f"{profile}-*") if re.fullmatch(rf"{profile}-\d{{8}}-\d{{6}}", p.name))
+    runs = sorted(p for p in (root / "outputs").glob(f"{profile}-*")
+                  if re.fullmatch(rf"{profile}-\d{{8}}-\d{{6}}", p.name))
     if runs and (resume or newest_ok):
         return runs[-1].resolve()
     if resume:
@@ -48,10 +49,11 @@ def resolve_out_dir(profile: str, out_dir: str | Path | None = None, resume: boo
     return (root / "outputs" / f"{profile}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
-def setup(profile: str, out_dir: str, seed: int, sets: list[str] | tuple = (), workers: str = "") -> tuple[StudyConfig, StudyPaths]:
-    """What every notebook's second cell calls: the config (profile, then `sets` = --set FIELD=VALUE items and `workers` =
-    a --workers file, see study_preset), the paths (out_dir '' = the newest study of this profile, or a new one), with the
-    config checked against the one the study folder was started with."""
+def setup(profile: str, out_dir: str, seed: int, sets: list[str] | tuple = (),
+          workers: str = "") -> tuple[StudyConfig, StudyPaths]:
+    """What every notebook's second cell calls: the config (profile, then `sets` = --set FIELD=VALUE items and
+    `workers` = a --workers file, see study_preset), the paths (out_dir '' = the newest study of this profile, or a new
+    one), with the config checked against the one the study folder was started with."""
     cfg = study_preset(profile, seed=seed, sets=parse_sets(sets), workers=workers or None)
     paths = StudyPaths(resolve_out_dir(profile, out_dir or None, newest_ok=True))
     write_config(cfg, paths)
@@ -60,7 +62,8 @@ def setup(profile: str, out_dir: str, seed: int, sets: list[str] | tuple = (), w
 
 def write_config(cfg: StudyConfig, paths: StudyPaths) -> None:
     """config.json; a folder started with another config is refused (one folder = one experiment)."""
-    guard_config(paths.root, cfg.to_dict(), "study", "resume it with the same profile, seed and code, or choose another --out")
+    guard_config(paths.root, cfg.to_dict(), "study",
+                 "resume it with the same profile, seed and code, or choose another --out")
 
 
 def guard_config(root: Path, config: dict, what: str, remedy: str) -> None:
@@ -108,16 +111,19 @@ def study_manifest(cfg: StudyConfig) -> dict:
     pol = cfg.train.policy.model
     return build_manifest(cfg.to_dict(), prompts_sha256=default_prompts().sha256, workers=workers, data_files=files,
                           seeds={"study": cfg.seed, "train": cfg.train.seed, "sft": cfg.sft.seed, "eval": cfg.seed},
-                          extra={"policy": {"model": pol, **({"sha256": SHIPPED[pol].sha256} if pol in SHIPPED else {})},
+                          extra={"policy": {"model": pol,
+                                            **({"sha256": SHIPPED[pol].sha256} if pol in SHIPPED else {})},
                                  "protocol": cfg.protocol, "data_dir": str(root)})
 
 
 def _record_time(paths: StudyPaths, timings: dict, nb: str, t0: float, stopped: str | None = None) -> float:
     """Append one execution of `nb` to timings.json: seconds for a finished one, {"s", "stopped"} for one that failed or
-    was interrupted, so a study's total wall time counts the work that was lost too (a SIGKILLed runner records nothing)."""
+    was interrupted, so a study's total wall time counts the work that was lost too (a SIGKILLed runner records
+    nothing)."""
     wall = round(time.perf_counter() - t0, 1)
     prev = timings.get(nb) or []
-    timings[nb] = [*(prev if isinstance(prev, list) else [prev]), wall if stopped is None else {"s": wall, "stopped": stopped}]
+    timings[nb] = [*(prev if isinstance(prev, list) else [prev]),
+                   wall if stopped is None else {"s": wall, "stopped": stopped}]
     write_json(paths.root / "timings.json", timings)
     return wall
 
@@ -125,8 +131,9 @@ def _record_time(paths: StudyPaths, timings: dict, nb: str, t0: float, stopped: 
 def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = False, *, seed: int = 0,
               sets: list[str] | tuple = (), workers: str = "", notebooks: tuple[str, ...] = NOTEBOOKS,
               log_output: bool = True) -> Path:
-    """Execute the notebooks in order with papermill into the study folder; a notebook that finished with the same source
-    and config is skipped. A failing cell stops the study: the notebook, cell and error are printed, exit status 1."""
+    """Execute the notebooks in order with papermill into the study folder; a notebook that finished with the same
+    source and config is skipped. A failing cell stops the study: the notebook, cell and error are printed, exit status
+    1."""
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
     from nbclient.exceptions import DeadKernelError
@@ -136,7 +143,8 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
           f"{f', --workers {workers}' if workers else ''}: {paths.root}", flush=True)
     write_config(cfg, paths)
     # the resume command repeats every option that shaped the config (a folder refuses another config)
-    again = (f"scripts/main.sh --profile {profile} --out {paths.root} --seed {seed}" + "".join(f" --set {x}" for x in sets)
+    again = (f"scripts/main.sh --profile {profile} --out {paths.root} --seed {seed}"
+             + "".join(f" --set {x}" for x in sets)
              + (f" --workers {workers}" if workers else ""))
     mp = paths.root / "manifest.json"
     man = json.loads(mp.read_text()) if mp.exists() else study_manifest(cfg)
@@ -181,8 +189,8 @@ def run_study(profile: str, out_dir: str | Path | None = None, resume: bool = Fa
             # no Python traceback exists: the kernel process itself was killed (most often by the kernel's OOM killer;
             # the cpu profile peaks at ~14 GB RSS during CF-GRPO)
             print(f"\nstudy FAILED in notebook {nb}.ipynb: its kernel died (killed from outside: out of memory? see "
-                  f"`dmesg | grep -i oom`)\n  partial notebook: {paths.root / (nb + '.ipynb')}\n  free memory and resume with: "
-                  f"{again}", file=sys.stderr, flush=True)
+                  f"`dmesg | grep -i oom`)\n  partial notebook: {paths.root / (nb + '.ipynb')}\n  free memory and "
+                  f"resume with: {again}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         wall = _record_time(paths, timings, nb, t0)
         write_json(marker, {"key": key, "wall_s": wall, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -198,16 +206,20 @@ def _raise_interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lemon.study", description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
+    p = argparse.ArgumentParser(prog="python -m lemon.study",
+                                description="Run the LEMON study (notebooks 01-04) with papermill; resumable.")
     p.add_argument("--profile", default="cpu", choices=list(STUDY_PROFILES),
-                   help="; ".join(f"{n}: {pr.answers}" for n, pr in load_profiles().items()) + " (configs/profiles.yaml)")
+                   help="; ".join(f"{n}: {pr.answers}" for n, pr in load_profiles().items())
+                   + " (configs/profiles.yaml)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--out", help="study folder (an existing one is resumed; default: a new outputs/<profile>-<timestamp>)")
+    g.add_argument("--out", help="study folder (an existing one is resumed; default: a new "
+                                 "outputs/<profile>-<timestamp>)")
     g.add_argument("--resume", action="store_true", help="resume the newest outputs/<profile>-* study")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a StudyConfig field (train.FIELD / sft.FIELD: the trainer's / warm start's), e.g. "
-                        "--set eval_n=30 --set train.max_steps=8; repeatable (configs/profiles.yaml lists each profile's)")
+                        "--set eval_n=30 --set train.max_steps=8; repeatable (configs/profiles.yaml lists "
+                        "each profile's)")
     p.add_argument("--workers", default="", help="YAML/JSON worker-pool file replacing the profile's workers, e.g. "
                                                  "configs/workers-paper.yaml")
     p.add_argument("--quiet", action="store_true", help="do not stream cell outputs to the console")

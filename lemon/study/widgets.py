@@ -1,9 +1,11 @@
-"""Spec inspector: one spec on one question, drawn, tabulated, edited one field at a time and re-executed with the node cache.
+"""Spec inspector: one spec on one question, drawn, tabulated, edited one field at a time and re-executed with the node
+cache.
 
-`draw_spec` and `agents_table` are plain functions (a matplotlib Figure, an HTML string) so notebooks and reports can use them
-without widgets. `SpecInspector` wires them to ipywidgets. Everything it renders is also kept on the object (`last_html`,
-`last_figure`, `last_summary`), and its Output widgets are filled by assigning `Output.outputs` directly rather than with
-`with out: display(...)`: that works headless (tests, scripts) without an IPython kernel, where `display` would print instead.
+`draw_spec` and `agents_table` are plain functions (a matplotlib Figure, an HTML string) so notebooks and reports can
+use them without widgets. `SpecInspector` wires them to ipywidgets. Everything it renders is also kept on the object
+(`last_html`, `last_figure`, `last_summary`), and its Output widgets are filled by assigning `Output.outputs` directly
+rather than with `with out: display(...)`: that works headless (tests, scripts) without an IPython kernel, where
+`display` would print instead.
 """
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ def _short(s: str, n: int) -> str:
 
 
 def draw_spec(spec: Spec, ax=None, trace: Trace | None = None) -> Figure:
-    """Draw the DAG left to right by topological level. Node boxes carry gid "agent:<id>" (one per agent, so callers and tests
-    can find them among the arrows); face colour = capacity, thick outline = final, faded + dashed = unreachable. With a trace,
-    each node is annotated with its tokens and cache hit. Uses a bare Figure (not pyplot) so no global figure registry leaks."""
+    """Draw the DAG left to right by topological level. Node boxes carry gid "agent:<id>" (one per agent, so callers and
+    tests can find them among the arrows); face colour = capacity, thick outline = final, faded + dashed = unreachable.
+    With a trace, each node is annotated with its tokens and cache hit. Uses a bare Figure (not pyplot) so no global
+    figure registry leaks."""
     levels = spec.levels()
     if ax is None:
         # at least legend-wide (5 entries); equal aspect below keeps a lone box from being squeezed into a sliver
-        fig = Figure(figsize=(max(4.8, 1.0 + 2.2 * len(levels)), 1.3 + 0.95 * max(map(len, levels))), layout="constrained")
+        fig = Figure(figsize=(max(4.8, 1.0 + 2.2 * len(levels)), 1.3 + 0.95 * max(map(len, levels))),
+                     layout="constrained")
         ax = fig.add_subplot()
     fig = ax.figure
     pos = {aid: (x * DX, (len(lvl) - 1) / 2 - i) for x, lvl in enumerate(levels) for i, aid in enumerate(lvl)}
@@ -49,7 +53,8 @@ def draw_spec(spec: Spec, ax=None, trace: Trace | None = None) -> Figure:
     for a in spec.agents:
         (x, y), is_dead, is_final = pos[a.id], a.id in dead, a.id == spec.final
         box = FancyBboxPatch((x - BOX_W / 2, y - BOX_H / 2), BOX_W, BOX_H, boxstyle="round,pad=0.03",
-                             facecolor=to_rgba(CAPACITY_COLORS.get(a.capacity, UNKNOWN_COLOR), DEAD_ALPHA if is_dead else 1),
+                             facecolor=to_rgba(CAPACITY_COLORS.get(a.capacity, UNKNOWN_COLOR),
+                                               DEAD_ALPHA if is_dead else 1),
                              edgecolor="black" if is_final else "#555555", linewidth=2.8 if is_final else 1.0,
                              linestyle="--" if is_dead else "-", zorder=2)
         box.set_gid(f"agent:{a.id}")
@@ -59,13 +64,15 @@ def draw_spec(spec: Spec, ax=None, trace: Trace | None = None) -> Figure:
                 color="#777777" if is_dead else "black")
         t = runs.get(a.id)
         if t is not None:
-            note = f"skipped ({t.skip_reason})" if t.skipped else f"{t.total_tokens} tok" + (" · cached" if t.cache_hit else "")
+            note = (f"skipped ({t.skip_reason})" if t.skipped
+                    else f"{t.total_tokens} tok" + (" · cached" if t.cache_hit else ""))
             ax.text(x, y - BOX_H / 2 - 0.06, note, ha="center", va="top", fontsize=7, zorder=3)
     lvl_of = {aid: x for x, lvl in enumerate(levels) for aid in lvl}
     for parent, child in spec.edges():
         far = lvl_of[child] - lvl_of[parent] > 1  # bend edges that skip a level so they do not run through boxes
-        ax.add_patch(FancyArrowPatch(pos[parent], pos[child], patchA=boxes[parent], patchB=boxes[child], arrowstyle="-|>",
-                                     mutation_scale=11, color="#aaaaaa" if child in dead else "#333333", zorder=1,
+        ax.add_patch(FancyArrowPatch(pos[parent], pos[child], patchA=boxes[parent], patchB=boxes[child],
+                                     arrowstyle="-|>", mutation_scale=11,
+                                     color="#aaaaaa" if child in dead else "#333333", zorder=1,
                                      connectionstyle=f"arc3,rad={0.25 if far else 0}"))
     ax.set_xlim(-BOX_W / 2 - 0.2, (len(levels) - 1) * DX + BOX_W / 2 + 0.2)
     top = (max(map(len, levels)) - 1) / 2
@@ -83,13 +90,15 @@ def draw_spec(spec: Spec, ax=None, trace: Trace | None = None) -> Figure:
 
 
 def agents_table(spec: Spec, trace: Trace | None = None, base: Spec | None = None, excerpt: int = 160) -> str:
-    """HTML table of the agents (every value escaped: duties and outputs are model-written text). With `trace`: tokens, cache
-    hit and an output excerpt per agent. With `base` (the original spec): cells that differ from it are highlighted."""
+    """HTML table of the agents (every value escaped: duties and outputs are model-written text). With `trace`: tokens,
+    cache hit and an output excerpt per agent. With `base` (the original spec): cells that differ from it are
+    highlighted."""
     e = html.escape
     runs = {t.id: t for t in (trace.agents if trace else [])}
     orig = {a.id: a for a in (base.agents if base else [])}
     dead = set(spec.unreachable())
-    cols = ["id", "base_role", "role", "duty", "capacity", "depends_on"] + (["tokens", "cache", "output"] if trace else [])
+    cols = (["id", "base_role", "role", "duty", "capacity", "depends_on"]
+            + (["tokens", "cache", "output"] if trace else []))
     rows = ["<table class='lemon-agents' style='border-collapse:collapse;font-size:90%'>",
             "<tr>" + "".join(f"<th style='text-align:left;padding:2px 6px'>{c}</th>" for c in cols) + "</tr>"]
     for a in spec.agents:
@@ -128,8 +137,9 @@ def _show(out: W.Output, html_text: str) -> None:
 
 class SpecInspector:
     """Inspect `spec` on `example`: apply single-field edits to `.current`, Run to execute original and current with one
-    NodeCache (unchanged agents hit the cache), compare answer / reward / tokens. Edits accumulate until `reset()`; each one
-    is a single-field change of the spec it was applied to, so the first edit after a reset is exactly one paper edit."""
+    NodeCache (unchanged agents hit the cache), compare answer / reward / tokens. Edits accumulate until `reset()`; each
+    one is a single-field change of the spec it was applied to, so the first edit after a reset is exactly one paper
+    edit."""
 
     def __init__(self, spec: Spec, example, benchmark, pool, *, prompts: Prompts, cache: NodeCache | None = None,
                  caps: ExecutorCaps | None = None, reward_cfg: RewardConfig | None = None, seed: int = 0):
@@ -195,7 +205,8 @@ class SpecInspector:
         cur = getattr(self.current.agent(site[0]), f.target)
         self.target.options = [v for v in f.target_values if v != cur]  # a no-op choice is not offered
         if site in eligible_sites(self.current, f.name, self.prompts):  # default: the family's own edit
-            self.target.value = getattr(_apply_edit(self.current, f.name, site, self.prompts).spec.agent(site[0]), f.target)
+            self.target.value = getattr(_apply_edit(self.current, f.name, site, self.prompts).spec.agent(site[0]),
+                                        f.target)
         else:
             self.target.value = self.target.options[0]
 
@@ -235,8 +246,8 @@ class SpecInspector:
                        caps=self.caps, seed=self.seed)
 
     def run(self) -> dict:
-        """Execute the original (once; later runs reuse its trace) and the current spec with the same cache, then compare.
-        Rewards use nominal tokens (as in training), so the deltas do not depend on how warm the cache was."""
+        """Execute the original (once; later runs reuse its trace) and the current spec with the same cache, then
+        compare. Rewards use nominal tokens (as in training), so the deltas do not depend on how warm the cache was."""
         if self.orig_trace is None:
             self.orig_trace = self._execute(self.original)
             self.orig_reward = compute_reward(self.original, self.orig_trace.score, self.orig_trace.nominal_tokens,
@@ -246,7 +257,8 @@ class SpecInspector:
         o, orw = self.orig_trace, self.orig_reward
         self.last_summary = {
             "answer": tr.answer, "score": tr.score, "reward": rw.total, "error": tr.error,
-            "reward_terms": {"success": rw.success, "token_efficiency": rw.token_efficiency, "graph_cost": rw.graph_cost},
+            "reward_terms": {"success": rw.success, "token_efficiency": rw.token_efficiency,
+                             "graph_cost": rw.graph_cost},
             "tokens": tr.tokens, "nominal_tokens": tr.nominal_tokens,
             "delta_reward": rw.total - orw.total, "delta_tokens": tr.nominal_tokens - o.nominal_tokens,
             "cache_hits": tr.cache_hits, "cache_hit_ids": [a.id for a in tr.agents if a.cache_hit],
@@ -267,9 +279,10 @@ class SpecInspector:
         out += [f"<tr><td>{k}</td><td>{e(str(a))}</td><td>{e(str(b))}</td><td>{d}</td></tr>" for k, a, b, d in rows]
         out.append("</table>")
         t = s["reward_terms"]
-        out.append(f"<p>reward terms: success {t['success']:g}, token efficiency {t['token_efficiency']:.4f}, graph cost "
-                   f"{t['graph_cost']:.4f}. This run spent {s['tokens']} tokens; cache hits {s['cache_hits']}: "
-                   f"{e(', '.join(s['cache_hit_ids']) or 'none')}; recomputed: {e(', '.join(s['recomputed_ids']) or 'none')}.</p>")
+        out.append(f"<p>reward terms: success {t['success']:g}, token efficiency "
+                   f"{t['token_efficiency']:.4f}, graph cost {t['graph_cost']:.4f}. This run spent {s['tokens']} "
+                   f"tokens; cache hits {s['cache_hits']}: {e(', '.join(s['cache_hit_ids']) or 'none')}; recomputed: "
+                   f"{e(', '.join(s['recomputed_ids']) or 'none')}.</p>")
         if s["error"]:
             out.append(f"<p style='color:#b00'>error: {e(s['error'])}</p>")
         for a in self.cur_trace.agents:  # each agent's full output, folded

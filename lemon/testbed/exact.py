@@ -1,15 +1,15 @@
-"""Exact scoring for the testbed: each rollout (and each counterfactual edit) is rewarded with its EXACT expected reward in
-the simulated world instead of one sampled outcome.
+"""Exact scoring for the testbed: each rollout (and each counterfactual edit) is rewarded with its EXACT expected reward
+in the simulated world instead of one sampled outcome.
 
 Why: with one sampled outcome per rollout, a group of G specs that each succeed with p ~0.05-0.5 is all-fail (no reward
 spread, no gradient) most of the time under the gated reward, and a 135M policy at 4 samples per step cannot tell a real
 improvement from outcome noise (LOG.md, 2026-12-01: 8 steps moved the held-out expected reward 0.07 -> 0.15, inside
 the noise). The world knows E[r(y) | spec] in closed form (lemon.testbed.world.SimWorld.evaluate), so the trainer can be
 given it: the expected value of what the sampled scorer would return, with zero outcome variance. What stays real: the
-policy, its sampling (grammar included), the parser, the edits, the span mapping, the advantages and the TRL trainer. What
-changes: no worker call is made (the executor and node cache are bypassed), so this mode measures credit assignment under a
-noise-free reward, not robustness to outcome noise — `scoring="sampled"` (the executor + simulated pool) keeps that arm.
-Both the global advantage and the counterfactual delta r(y) - r(y') become exact, for every arm alike.
+policy, its sampling (grammar included), the parser, the edits, the span mapping, the advantages and the TRL trainer.
+What changes: no worker call is made (the executor and node cache are bypassed), so this mode measures credit assignment
+under a noise-free reward, not robustness to outcome noise — `scoring="sampled"` (the executor + simulated pool) keeps
+that arm. Both the global advantage and the counterfactual delta r(y) - r(y') become exact, for every arm alike.
 """
 from __future__ import annotations
 

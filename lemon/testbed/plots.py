@@ -1,6 +1,6 @@
 """Figures and summary.md of a testbed comparison (lemon.testbed.experiment): expected reward and regret of the policy's
-samples against steps, one line per arm with a band over seeds; held-out greedy regret; final regret and steps to threshold
-with bootstrap CIs. Everything is rebuilt from the experiment folder's files (no model needed)."""
+samples against steps, one line per arm with a band over seeds; held-out greedy regret; final regret and steps to
+threshold with bootstrap CIs. Everything is rebuilt from the experiment folder's files (no model needed)."""
 from __future__ import annotations
 
 import json
@@ -65,7 +65,8 @@ def summary_figure(table: pd.DataFrame, threshold: float):
     return fig
 
 
-_TRAIN_REWARD = {"exact": "each rollout's and each edit's exact expected reward (lemon.testbed.exact, no outcome noise)",
+_TRAIN_REWARD = {"exact": "each rollout's and each edit's exact expected reward (lemon.testbed.exact, no "
+                          "outcome noise)",
                  "sampled": "one simulated outcome per execution (the executor on the simulated pool)"}
 
 
@@ -106,18 +107,20 @@ def write_report(root: Path, exp: ExperimentConfig, world: SimWorld) -> Path:
           f"{exp.data_seed}). Training rewards: {_TRAIN_REWARD[exp.scoring]}. For the curves below every sampled spec "
           f"is re-scored by its EXACT expected reward under the simulated workers (lemon.testbed.world); regret = "
           f"optimum - expected reward. Final regret = mean over the last {exp.final_window} "
-          f"steps; steps to threshold = first step whose {exp.smooth}-step running mean regret is <= {exp.threshold:g}; CIs "
-          "are 95% bootstrap over seeds (with 3 seeds, crude).", "",
+          f"steps; steps to threshold = first step whose {exp.smooth}-step running mean regret is <= "
+          f"{exp.threshold:g}; CIs are 95% bootstrap over seeds (with 3 seeds, crude).", "",
           "Regenerate (one invocation per line, in this order; finished runs are skipped):", "",
-          *[f"    {c}" for c in rec.get("commands", [rec.get("command", "experiments/testbed_run.py")])], "", "## Optimum per task type", "", md_table(opt), "",
+          *[f"    {c}" for c in rec.get("commands", [rec.get("command", "experiments/testbed_run.py")])], "",
+          "## Optimum per task type", "", md_table(opt), "",
           "## Results", "", md_table(shown), "",
           "## Paired by seed: each arm minus global GRPO", "",
           "diff < 0 favours the arm for regrets, diff > 0 for the held-out gain (greedy expected reward at the last "
           "evaluated step minus step 0); `arm_better` counts the seeds that favour it.", "",
           md_table(paired_shown) if len(paired_shown) else "(global GRPO not run: no paired comparison)", "",
           "## What the sampled specs look like, first vs last steps (pooled over seeds)", "",
-          "`large_share` = share of agents at capacity large; `final_large_solver` = share of specs whose final agent is a "
-          "large solver; `distinct_shapes` = distinct (agents, final role, final capacity) per valid spec.", "",
+          "`large_share` = share of agents at capacity large; `final_large_solver` = share of specs whose "
+          "final agent is a large solver; `distinct_shapes` = distinct (agents, final role, final capacity) "
+          "per valid spec.", "",
           md_table(composition(samples)), "",
           "![curves](plots/curves.png)", "", "![summary](plots/summary.png)", ""]
     p = root / "summary.md"

@@ -1,27 +1,28 @@
 """The best spec of a simulated world (lemon.testbed.sim), by exhaustive search over the spec STRUCTURES that matter.
 
 Free text never matters to the sim (only kind, capacity, customized-or-not and parents do), so a structure is a list of
-`Node`s; `spec_of` turns one into a real Spec (representative base roles, duties customized or default) that the real reward
-function reads. The search enumerates every structure left after these pruning arguments. Each argument replaces a spec by
-one whose success probability is no lower and whose tokens, agents and edges are no higher, so it is exact under three
-properties of the reward that `search` checks on the reward it is given (lemon.train.rewards; RewardConfig checks the first):
+`Node`s; `spec_of` turns one into a real Spec (representative base roles, duties customized or default) that the real
+reward function reads. The search enumerates every structure left after these pruning arguments. Each argument replaces
+a spec by one whose success probability is no lower and whose tokens, agents and edges are no higher, so it is exact
+under three properties of the reward that `search` checks on the reward it is given (lemon.train.rewards; RewardConfig
+checks the first):
   (R1) for fixed spec and tokens, a success scores at least a failure;  (R2) fewer worker tokens never score less;
   (R3) fewer agents / edges / unreachable agents never score less (graph cost is a cost).
-The success probability of the final agent is non-decreasing in every solver's p and every checker's q (a W -> C switch of
-any input can only raise a vote, and a checker keeps C), which is what makes the arguments below dominance arguments.
-  P1  every agent reaches `final`, and `final` is the last agent: unreachable agents are never executed (lemon.run.executor),
-      so they only add graph cost (R3).
+The success probability of the final agent is non-decreasing in every solver's p and every checker's q (a W -> C switch
+of any input can only raise a vote, and a checker keeps C), which is what makes the arguments below dominance arguments.
+  P1  every agent reaches `final`, and `final` is the last agent: unreachable agents are never executed
+      (lemon.run.executor), so they only add graph cost (R3).
   P2  one base role per kind (solver, verifier, decider, planner): roles of one kind are the same function in the sim.
   P3  solve and check agents have customized duties: the duty bonuses are >= 0 (SimConfig checks), success is monotone.
-  P4  pass and note agents run at the cheapest capacity: their output does not depend on it; fewer tokens for them and for
-      every agent that reads them (R2).
-  P5  a solver reads nothing but (at most) one note: it ignores every other parent's answer; dropping such an edge changes no
-      outcome and saves tokens and an edge (R2, R3). Notes have no parents (their output never depends on them), there is at
-      most one note (one serves every solver), and none at all where plan_bonus = 0.
+  P4  pass and note agents run at the cheapest capacity: their output does not depend on it; fewer tokens for them and
+      for every agent that reads them (R2).
+  P5  a solver reads nothing but (at most) one note: it ignores every other parent's answer; dropping such an edge
+      changes no outcome and saves tokens and an edge (R2, R3). Notes have no parents (their output never depends on
+      them), there is at most one note (one serves every solver), and none at all where plan_bonus = 0.
   P6  check / pass agents read at least one solver or check / pass agent and never a note (a note gives no answer, so it
       never enters a vote); without an answering parent they answer nothing, which the single-agent candidates cover.
-  P7  order: the note first, then the solvers as a multiset, then the check / pass agents: any DAG obeying P5-P6 has this
-      topological order, and reordering changes neither levels, tokens, outcomes nor graph cost.
+  P7  order: the note first, then the solvers as a multiset, then the check / pass agents: any DAG obeying P5-P6 has
+      this topological order, and reordering changes neither levels, tokens, outcomes nor graph cost.
 tests/test_testbed.py checks the search against brute force over all structures (no pruning) for max_agents <= 3.
 """
 from __future__ import annotations
@@ -41,9 +42,9 @@ CUSTOM_DUTY = {"solve": "Work out every quantity of this task step by step and c
 
 
 def spec_of(nodes: list[Node], prompts: Prompts, config: SimConfig | None = None) -> Spec:
-    """A real Spec with this structure: ids a1..an, final = the last agent (no text; parse its to_yaml() for one). A node's
-    duty effect picks its duty: the default (0), a customized duty naming the first of `config`'s words for its kind (+1),
-    or one naming none of them (-1)."""
+    """A real Spec with this structure: ids a1..an, final = the last agent (no text; parse its to_yaml() for one). A
+    node's duty effect picks its duty: the default (0), a customized duty naming the first of `config`'s words for its
+    kind (+1), or one naming none of them (-1)."""
     agents = []
     for i, n in enumerate(nodes):
         role = ROLE_OF.get(n.kind)
@@ -57,7 +58,8 @@ def spec_of(nodes: list[Node], prompts: Prompts, config: SimConfig | None = None
             if config is not None and any(w in OFF_DUTY.lower() for ws in config.duty_words.values() for w in ws):
                 raise ValueError(f"OFF_DUTY {OFF_DUTY!r} names a word this world rewards: a -1 node cannot be written")
             duty = OFF_DUTY
-        agents.append(Agent(f"a{i + 1}", role, f"{role.title()} {i + 1}", duty, n.cap, tuple(f"a{j + 1}" for j in n.deps)))
+        agents.append(Agent(f"a{i + 1}", role, f"{role.title()} {i + 1}", duty, n.cap,
+                            tuple(f"a{j + 1}" for j in n.deps)))
     return Spec(tuple(agents), agents[-1].id)
 
 
@@ -115,7 +117,8 @@ def check_reward_properties(reward: Callable[[Spec, float, int], float], prompts
     for s in (one, two):
         for t in (0, 500, 5000):
             if reward(s, 1.0, t) < reward(s, 0.0, t):
-                raise ValueError("the reward scores a failure above a success (R1): the testbed's optimum search needs R1")
+                raise ValueError("the reward scores a failure above a success (R1): the testbed's optimum "
+                                 "search needs R1")
             for sc in (0.0, 1.0):
                 if reward(s, sc, t) < reward(s, sc, t + 100):
                     raise ValueError("the reward grows with worker tokens (R2): the optimum search's pruning needs R2")

@@ -1,42 +1,44 @@
 """SIMULATED workers with an explicit success and cost model: a known-optimum testbed for CF-GRPO.
 
-Only the workers are simulated. The spec parser, the executor (lemon.run.executor: levels, node cache, token budget), the
-worker prompts (lemon/prompts.yaml), the edits and the real benchmark scorer are the project's own. A `SimBackend` (one per
-capacity) reads exactly the chat messages the executor sends (parsed back with the prompts file's `worker` templates; it never
-sees the spec) and `params.seed`, and replies with a one-line state tag that its children read, e.g.
-`[sim state=wrong cap=large kind=solve]`; the final agent adds `Answer: <gold>` when its state is correct, a wrong number
-when wrong, no number at all when it holds no answer. Everything below is the whole model.
+Only the workers are simulated. The spec parser, the executor (lemon.run.executor: levels, node cache, token budget),
+the worker prompts (lemon/prompts.yaml), the edits and the real benchmark scorer are the project's own. A `SimBackend`
+(one per capacity) reads exactly the chat messages the executor sends (parsed back with the prompts file's `worker`
+templates; it never sees the spec) and `params.seed`, and replies with a one-line state tag that its children read, e.g.
+`[sim state=wrong cap=large kind=solve]`; the final agent adds `Answer: <gold>` when its state is correct, a wrong
+number when wrong, no number at all when it holds no answer. Everything below is the whole model.
 
 Behaviour of an agent, by the kind of its base role (math domain; any other base role is `idle`):
 
-| kind  | base roles                     | output state (C correct, W wrong, N no answer)                                   |
-|-------|--------------------------------|----------------------------------------------------------------------------------|
-| solve | solver                         | C with p = p_solve[type][cap] + solve_duty_bonus*custom + plan_bonus[type]*noted |
-|       |                                | (clipped to [0, 1]), else W. It ignores its parents' answers.                    |
-| check | verifier, critic               | candidate c = vote of its answering (C/W) parents; N when none answers. c = C    |
-|       |                                | stays C; c = W becomes C with q = q_fix[cap] + check_duty_bonus*custom.          |
-| pass  | decider, summarizer, calculator| the vote c itself (N when no parent answers).                                    |
-| note  | planner, extractor             | N; a solve agent that reads a note is `noted` (helps where plan_bonus > 0).      |
-| idle  | any other base role            | N.                                                                               |
+| kind  | base roles           | output state (C correct, W wrong, N no answer)                                   |
+|-------|----------------------|----------------------------------------------------------------------------------|
+| solve | solver               | C with p = p_solve[type][cap] + solve_duty_bonus*custom + plan_bonus[type]*noted |
+|       |                      | (clipped to [0, 1]), else W. It ignores its parents' answers.                    |
+| check | verifier, critic     | candidate c = vote of its answering (C/W) parents; N when none answers. c = C    |
+|       |                      | stays C; c = W becomes C with q = q_fix[cap] + check_duty_bonus*custom.          |
+| pass  | decider, summarizer, | the vote c itself (N when no parent answers).                                    |
+|       | calculator           |                                                                                  |
+| note  | planner, extractor   | N; a solve agent that reads a note is `noted` (helps where plan_bonus > 0).      |
+| idle  | any other base role  | N.                                                                               |
 
 custom (the duty's effect, `duty_effect`): 0 for the base role's default duty (what the m_R edit rolls back to); for a
-customized duty, +1 when the world rewards what it says, else -1. A world that lists words for a kind (SimConfig.duty_words)
-rewards a duty of that kind only when it names one of them (case-insensitive): the bonus above for +1, minus
-off_duty_penalty for -1, so rolling a duty back can raise reward or lower it and a policy has something to learn in the
-text. A kind without words keeps the lenient rule (any customized duty is +1), which made every m_R delta >= 0. vote = C when more than half of
-the answering parents are C, W when fewer, a fair coin on a tie. The task type comes from the example's benchmark (e.g.
-MultiArith easy, GSM8K hard): the orchestrator can only tell them apart by the question's style (no explicit tag).
-Tokens (independent of outcomes): completion = completion_tokens[cap]; prompt = prompt_tokens + the completion tokens of
-every parent read. A call allowed fewer tokens than the model's reply raises SimConfigError (stops the run).
+customized duty, +1 when the world rewards what it says, else -1. A world that lists words for a kind
+(SimConfig.duty_words) rewards a duty of that kind only when it names one of them (case-insensitive): the bonus above
+for +1, minus off_duty_penalty for -1, so rolling a duty back can raise reward or lower it and a policy has something to
+learn in the text. A kind without words keeps the lenient rule (any customized duty is +1, so no m_R delta is negative).
+vote = C when more than half of the answering parents are C, W when fewer, a fair coin on a tie. The task type comes
+from the example's benchmark (e.g. MultiArith easy, GSM8K hard): the orchestrator can only tell them apart by the
+question's style (no explicit tag). Tokens (independent of outcomes): completion = completion_tokens[cap]; prompt =
+prompt_tokens + the completion tokens of every parent read. A call allowed fewer tokens than the model's reply raises
+SimConfigError (stops the run).
 
-Randomness: an agent's outcome is F^-1(u) over (C, W, N) of the distribution above, u = sha256(params.seed, its capacity, the
-exact messages) / 2^64. So the node cache and re-execution are consistent (same inputs, same output), while two specs whose
-agent a1 shares the executor's per-agent seed (grammar-constrained ids are fixed) still draw independently as soon as the
-agent's capacity, role, duty or parents' states differ; the CF re-execution of an edited agent is an independent draw too.
-With a fixed run seed the same spec on the same task gets the same outcome at every step (as greedy real workers would).
-`SimWorld.expected_reward` enumerates these distributions exactly (no sampling) and scores each final state with the real
-benchmark scorer and lemon.train.rewards.compute_reward (lemon.testbed.world); `SimWorld.optimum` searches spec structures
-(lemon.testbed.search).
+Randomness: an agent's outcome is F^-1(u) over (C, W, N) of the distribution above, u = sha256(params.seed, its
+capacity, the exact messages) / 2^64. So the node cache and re-execution are consistent (same inputs, same output),
+while two specs whose agent a1 shares the executor's per-agent seed (grammar-constrained ids are fixed) still draw
+independently as soon as the agent's capacity, role, duty or parents' states differ; the CF re-execution of an edited
+agent is an independent draw too. With a fixed run seed the same spec on the same task gets the same outcome at every
+step (as greedy real workers would). `SimWorld.expected_reward` enumerates these distributions exactly (no sampling) and
+scores each final state with the real benchmark scorer and lemon.train.rewards.compute_reward (lemon.testbed.world);
+`SimWorld.optimum` searches spec structures (lemon.testbed.search).
 """
 from __future__ import annotations
 
@@ -63,13 +65,13 @@ MAX_TAG_CHARS = 64  # the executor cuts a parent's output to max_context_chars (
 
 
 class SimProtocolError(BackendError):
-    """The messages are not an executor agent call built from this world's prompts file (e.g. an orchestrator prompt, or a
-    parent output that is not a sim tag). A BackendError: the executor records it as that agent's error."""
+    """The messages are not an executor agent call built from this world's prompts file (e.g. an orchestrator prompt, or
+    a parent output that is not a sim tag). A BackendError: the executor records it as that agent's error."""
 
 
 class SimConfigError(BackendUnavailableError):
-    """The world is set up wrongly for this run (e.g. a call allows fewer completion tokens than the simulated reply has). A
-    BackendUnavailableError so that the executor stops the run instead of scoring it 0."""
+    """The world is set up wrongly for this run (e.g. a call allows fewer completion tokens than the simulated reply
+    has). A BackendUnavailableError so that the executor stops the run instead of scoring it 0."""
 
 
 class SimUnknownTaskError(SimConfigError):
@@ -114,10 +116,11 @@ class SimConfig:
     completion_tokens: Mapping[str, int] = field(default_factory=lambda: {"small": 100, "medium": 160, "large": 240})
     """capacity -> completion tokens of every reply (under the cpu preset's caps 192 / 256 / 320)."""
     prompt_tokens: int = 400
-    """Prompt tokens of a call before the parents' replies are added (system + task + duty; the real ones are ~360-420)."""
+    """Prompt tokens of a call before the parents' replies are added (system + task + duty; the real ones are
+    ~360-420)."""
     duty_words: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    """kind -> lower-case words one of which a customized duty of that kind must contain to pay its bonus; kinds not listed
-    pay for any customized duty (the lenient rule)."""
+    """kind -> lower-case words one of which a customized duty of that kind must contain to pay its bonus; kinds not
+    listed pay for any customized duty (the lenient rule)."""
     off_duty_penalty: float = 0.0
     """Subtracted from p (solve) or q (check) when a listed kind's customized duty names none of its words."""
 
@@ -126,23 +129,26 @@ class SimConfig:
         object.__setattr__(self, "benchmark_type", MappingProxyType(dict(self.benchmark_type)))
         object.__setattr__(self, "q_fix", _probs(self.q_fix, "q_fix"))
         if not self.types or not set(self.benchmark_type.values()) <= set(self.types):
-            raise ValueError(f"benchmark_type {dict(self.benchmark_type)} must map benchmarks to types in {list(self.types)}")
+            raise ValueError(f"benchmark_type {dict(self.benchmark_type)} must map benchmarks to types in "
+                             f"{list(self.types)}")
         for b in self.benchmark_type:
             if get_benchmark(b).kind != "number":
-                raise ValueError(f"benchmark {b!r} is not numeric: the sim answers with numbers (gsm8k, multiarith, svamp)")
+                raise ValueError(f"benchmark {b!r} is not numeric: the sim answers with numbers (gsm8k, "
+                                 "multiarith, svamp)")
         if not (0 <= self.solve_duty_bonus <= 1 and 0 <= self.check_duty_bonus <= 1):
             raise ValueError("duty bonuses must be in [0, 1]: the search assumes a customized duty never hurts")
         toks = {c: self.completion_tokens.get(c) for c in CAPACITIES}
         if not all(isinstance(t, int) and t >= 1 for t in toks.values()) or not isinstance(self.prompt_tokens, int) \
                 or self.prompt_tokens < 1:
-            raise ValueError(f"completion_tokens (one positive int per capacity) and prompt_tokens must be positive ints")
+            raise ValueError("completion_tokens (one positive int per capacity) and prompt_tokens must be "
+                             "positive ints")
         object.__setattr__(self, "completion_tokens", MappingProxyType(toks))
         words = {k: tuple(v) for k, v in dict(self.duty_words).items()}
         bad = [k for k, v in words.items() if k not in ("solve", "check") or not v
                or not all(isinstance(w, str) and w and w == w.lower().strip() for w in v)]
         if bad:
-            raise ValueError(f"duty_words for kinds {bad}: keys must be 'solve' or 'check' (the kinds a duty bonus acts on), "
-                             "values non-empty tuples of lower-case words")
+            raise ValueError(f"duty_words for kinds {bad}: keys must be 'solve' or 'check' (the kinds a duty "
+                             "bonus acts on), values non-empty tuples of lower-case words")
         object.__setattr__(self, "duty_words", MappingProxyType(words))
         if not 0.0 <= self.off_duty_penalty <= 1.0:
             raise ValueError(f"off_duty_penalty={self.off_duty_penalty} must be in [0, 1]")
@@ -152,7 +158,8 @@ class SimConfig:
                 "benchmark_type": dict(self.benchmark_type), "q_fix": dict(self.q_fix),
                 "solve_duty_bonus": self.solve_duty_bonus, "check_duty_bonus": self.check_duty_bonus,
                 "completion_tokens": dict(self.completion_tokens), "prompt_tokens": self.prompt_tokens,
-                "duty_words": {k: list(v) for k, v in self.duty_words.items()}, "off_duty_penalty": self.off_duty_penalty}
+                "duty_words": {k: list(v) for k, v in self.duty_words.items()},
+                "off_duty_penalty": self.off_duty_penalty}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SimConfig":
@@ -160,12 +167,14 @@ class SimConfig:
         return cls(types={k: TaskType(v["p_solve"], v.get("plan_bonus", 0.0)) for k, v in d["types"].items()},
                    benchmark_type=d["benchmark_type"], q_fix=d["q_fix"], solve_duty_bonus=d["solve_duty_bonus"],
                    check_duty_bonus=d["check_duty_bonus"], completion_tokens=d["completion_tokens"],
-                   prompt_tokens=d["prompt_tokens"], duty_words={k: tuple(v) for k, v in d.get("duty_words", {}).items()},
+                   prompt_tokens=d["prompt_tokens"],
+                   duty_words={k: tuple(v) for k, v in d.get("duty_words", {}).items()},
                    off_duty_penalty=d.get("off_duty_penalty", 0.0))
 
 
 def duty_effect(kind: str, duty: str, default_duty: str, cfg: SimConfig) -> int:
-    """0 for the default duty; +1 for a customized duty the world rewards; -1 for one it does not (see the docstring)."""
+    """0 for the default duty; +1 for a customized duty the world rewards; -1 for one it does not (see the
+    docstring)."""
     if duty == default_duty:
         return 0
     words = cfg.duty_words.get(kind)
@@ -176,7 +185,8 @@ def duty_effect(kind: str, duty: str, default_duty: str, cfg: SimConfig) -> int:
 
 
 class Node(NamedTuple):
-    """What the model sees of one agent: kind, capacity, its duty's effect, and its parents (indices of earlier nodes)."""
+    """What the model sees of one agent: kind, capacity, its duty's effect, and its parents (indices of earlier
+    nodes)."""
 
     kind: str
     cap: str
@@ -231,10 +241,11 @@ def final_distribution(nodes: list[Node], ttype: TaskType, cfg: SimConfig) -> di
 
 def call_tokens(node: Node, nodes: list[Node], cfg: SimConfig) -> tuple[int, int]:
     """(prompt, completion) tokens of one call: the parents' replies are part of its prompt."""
-    return cfg.prompt_tokens + sum(cfg.completion_tokens[nodes[j].cap] for j in node.deps), cfg.completion_tokens[node.cap]
+    return (cfg.prompt_tokens + sum(cfg.completion_tokens[nodes[j].cap] for j in node.deps),
+            cfg.completion_tokens[node.cap])
 
 
-# ---- the replies and the messages ---------------------------------------------------------------------------------------
+# ---- the replies and the messages ------------------------------------------------------------------------------------
 _TAG_RE = re.compile(r"\[sim state=(?P<state>correct|wrong|none) cap=(?P<cap>small|medium|large) "
                      r"kind=(?P<kind>solve|check|pass|note|idle)\]")
 
@@ -244,8 +255,8 @@ def tag(state: str, cap: str, kind: str) -> str:
 
 
 def final_text(state: str, cap: str, kind: str, gold: str, offset: int) -> str:
-    """The final agent's reply; `offset` (>= 1) makes the wrong number. No digit outside `Answer:` (the scorer falls back
-    to the last number of the text)."""
+    """The final agent's reply; `offset` (>= 1) makes the wrong number. No digit outside `Answer:` (the scorer falls
+    back to the last number of the text)."""
     if state == C:
         return f"{tag(state, cap, kind)}\nAnswer: {gold}"
     if state == W:
@@ -273,7 +284,8 @@ class AgentView(NamedTuple):
 
     @property
     def custom(self) -> bool:
-        """The duty is not the base role's default (whether it PAYS is duty_effect's question, which needs the world)."""
+        """The duty is not the base role's default (whether it PAYS is duty_effect's question, which needs the
+        world)."""
         return self.duty != self.base_duty
 
 
@@ -303,8 +315,8 @@ class MessageReader:
         user = self.w["user"].format(task=u["task"], context=u["context"], duty=u["duty"]) + (u["suffix"] or "")
         if user != messages[1]["content"]:
             raise SimProtocolError(f"the user message does not round-trip through the worker template: {user[:80]!r}")
-        return AgentView(u["task"], KIND_OF.get(s["base_role"], "idle"), u["duty"], s["base_duty"], u["suffix"] is not None,
-                         self._parents(u["context"]))
+        return AgentView(u["task"], KIND_OF.get(s["base_role"], "idle"), u["duty"], s["base_duty"],
+                         u["suffix"] is not None, self._parents(u["context"]))
 
     def _parents(self, context: str) -> list[tuple[str, str, str]]:
         """(kind, state, cap) of each context item; context = "\n" + "\n\n".join(items) + "\n" (build_messages)."""
@@ -335,14 +347,17 @@ def pick(dist: Mapping[str, float], u: float) -> str:
 
 
 class SimBackend:
-    """The simulated worker of one capacity (the lemon.run.backends Backend protocol). Stateless apart from a call count."""
+    """The simulated worker of one capacity (the lemon.run.backends Backend protocol). Stateless apart from a call
+    count."""
 
     backend, supports_json_schema = "sim", False
 
-    def __init__(self, capacity: str, world: "SimWorld", max_concurrency: int = 16):
+    # world: a lemon.testbed.world.SimWorld (not imported here: that module imports this one)
+    def __init__(self, capacity: str, world: "SimWorld", max_concurrency: int = 16):  # noqa: F821
         if capacity not in CAPACITIES:
             raise ValueError(f"capacity {capacity!r}; valid: {', '.join(CAPACITIES)}")
-        self.capacity, self.world, self.model, self.max_concurrency = capacity, world, f"sim-{capacity}", max_concurrency
+        self.capacity, self.world, self.model = capacity, world, f"sim-{capacity}"
+        self.max_concurrency = max_concurrency
         self.calls, self._lock = 0, threading.Lock()
 
     def chat(self, messages: list[dict], params: SamplingParams) -> Completion:
@@ -351,8 +366,9 @@ class SimBackend:
         example, ttype = w.lookup(view.task)
         n_comp = w.config.completion_tokens[cap]
         if params.max_tokens < n_comp:
-            raise SimConfigError(f"sim-{cap}: the simulated reply is {n_comp} tokens but the call allows {params.max_tokens}; "
-                                 "raise the worker token caps (SimWorld.worker_max_tokens()) or lower completion_tokens")
+            raise SimConfigError(f"sim-{cap}: the simulated reply is {n_comp} tokens but the call allows "
+                                 f"{params.max_tokens}; raise the worker token caps (SimWorld.worker_max_tokens()) or "
+                                 "lower completion_tokens")
         node = Node(view.kind, cap, duty_effect(view.kind, view.duty, view.base_duty, w.config))
         dist = outcome_dist(node, [(k, s) for k, s, _ in view.parents], ttype, w.config)
         u, offset = draw(params.seed, cap, messages)

@@ -1,6 +1,7 @@
-"""Statistics of a testbed comparison (lemon.testbed.experiment), computed from scored samples (experiment.collect): per-step
-curves, bootstrap bands and CIs over seeds, steps to a regret threshold, final regret, the paired-by-seed comparison against
-global GRPO, and what the sampled specs look like. Pure functions of DataFrames: tested on hand-written run folders."""
+"""Statistics of a testbed comparison (lemon.testbed.experiment), computed from scored samples (experiment.collect):
+per-step curves, bootstrap bands and CIs over seeds, steps to a regret threshold, final regret, the paired-by-seed
+comparison against global GRPO, and what the sampled specs look like. Pure functions of DataFrames: tested on
+hand-written run folders."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -39,7 +40,8 @@ def band(curves: pd.DataFrame, metric: str) -> pd.DataFrame:
 
 
 def steps_to_threshold(curve: pd.DataFrame, threshold: float, smooth: int) -> int | None:
-    """First step at which the running mean (window `smooth`, trailing) of one run's regret is <= threshold; None if never."""
+    """First step at which the running mean (window `smooth`, trailing) of one run's regret is <= threshold; None if
+    never."""
     c = curve.sort_values("step")
     run = c["regret"].rolling(smooth, min_periods=smooth).mean()
     hit = c["step"][run <= threshold]
@@ -47,12 +49,13 @@ def steps_to_threshold(curve: pd.DataFrame, threshold: float, smooth: int) -> in
 
 
 def summary_table(curves: pd.DataFrame, exp: ExperimentConfig, heldout: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per arm: final regret (mean of the last final_window steps, per seed) and steps to threshold, each with a bootstrap
-    CI over seeds; how many seeds reached the threshold; the last held-out greedy regret when evaluated."""
+    """Per arm: final regret (mean of the last final_window steps, per seed) and steps to threshold, each with a
+    bootstrap CI over seeds; how many seeds reached the threshold; the last held-out greedy regret when evaluated."""
     rows = []
     for arm in [a for a in exp.arms if a in set(curves["arm"])]:
         finals = list(_final_regrets(curves, arm, exp).values())
-        steps = [steps_to_threshold(c, exp.threshold, exp.smooth) for _, c in curves[curves["arm"] == arm].groupby("seed")]
+        steps = [steps_to_threshold(c, exp.threshold, exp.smooth)
+                 for _, c in curves[curves["arm"] == arm].groupby("seed")]
         reached = [s for s in steps if s is not None]
         row = {"arm": arm, "seeds": len(finals), "final_regret": float(np.mean(finals)),
                "final_regret_ci": bootstrap_ci(finals), "reached": f"{len(reached)}/{len(steps)}",
@@ -74,8 +77,8 @@ def _final_regrets(curves: pd.DataFrame, arm: str, exp: ExperimentConfig) -> dic
 
 
 def _per_seed(curves: pd.DataFrame, heldout: pd.DataFrame | None, arm: str, exp: ExperimentConfig) -> dict:
-    """{metric: {seed: value}} of one arm: final regret of its samples, and held-out greedy regret and gain (expected reward
-    at the last evaluated step minus step 0)."""
+    """{metric: {seed: value}} of one arm: final regret of its samples, and held-out greedy regret and gain (expected
+    reward at the last evaluated step minus step 0)."""
     out = {"final_regret": _final_regrets(curves, arm, exp), "heldout_regret": {}, "heldout_gain": {}}
     if heldout is not None and len(heldout):
         for s, g in heldout[heldout["arm"] == arm].groupby("seed"):
@@ -109,8 +112,8 @@ def paired_table(curves: pd.DataFrame, heldout: pd.DataFrame | None, exp: Experi
 
 
 def composition(samples: pd.DataFrame, steps: int = 2) -> pd.DataFrame:
-    """Per arm, the policy's samples of its first and of its last `steps` steps (pooled over seeds): mean agents per spec,
-    share of large agents, share of specs whose final agent is a large solver, share of distinct spec shapes."""
+    """Per arm, the policy's samples of its first and of its last `steps` steps (pooled over seeds): mean agents per
+    spec, share of large agents, share of specs whose final agent is a large solver, share of distinct spec shapes."""
     out = []
     for arm, g in samples.groupby("arm", sort=False):
         lo, hi = sorted(g["step"].unique())[:steps], sorted(g["step"].unique())[-steps:]
@@ -120,11 +123,12 @@ def composition(samples: pd.DataFrame, steps: int = 2) -> pd.DataFrame:
             out.append({"arm": arm, "phase": f"{phase} {len(lo if phase == 'first' else hi)} steps", "n": len(part),
                         "agents": v["agents"].mean(), "large_share": v["large_share"].mean(),
                         "final_large_solver": ((v["final_role"] == "solver") & (v["final_capacity"] == "large")).mean(),
-                        "distinct_shapes": len(shapes) / max(len(v), 1), "expected_reward": part["expected_reward"].mean()})
+                        "distinct_shapes": len(shapes) / max(len(v), 1),
+                        "expected_reward": part["expected_reward"].mean()})
     return pd.DataFrame(out)
 
 
-# ---- paired tests across seeds (scipy is not a dependency, so the exact null distributions are computed here) ---------
+# ---- paired tests across seeds (scipy is not a dependency, so the exact null distributions are computed here) --------
 def sign_test(diffs) -> float:
     """Two-sided exact sign test of paired differences: p = P(|#pos - n/2| >= observed) under Binomial(n, 1/2), zero
     differences dropped (the usual convention). 1.0 when every difference is zero."""
@@ -139,8 +143,8 @@ def sign_test(diffs) -> float:
 
 def wilcoxon_signed_rank(diffs, tol: float = 1e-12) -> tuple[float, float]:
     """Two-sided exact Wilcoxon signed-rank test: (W+, p). Zeros dropped (Wilcoxon's convention); tied |d| get mid-ranks
-    and the null distribution is enumerated exactly over the 2^n sign assignments of THOSE ranks (a DP over doubled ranks,
-    so ties stay exact). p = P(|W+ - E W+| >= |observed - E W+|). (nan, 1.0) when every difference is zero."""
+    and the null distribution is enumerated exactly over the 2^n sign assignments of THOSE ranks (a DP over doubled
+    ranks, so ties stay exact). p = P(|W+ - E W+| >= |observed - E W+|). (nan, 1.0) when every difference is zero."""
     d = np.asarray([x for x in diffs if abs(x) > tol], dtype=float)
     n = len(d)
     if n == 0:
@@ -179,18 +183,20 @@ def holm(pvalues) -> list[float]:
 
 
 def paired_effect(diffs, lower_is_better: bool = True) -> dict:
-    """Of paired differences (arm minus reference, one per seed): the mean with its bootstrap CI, Cohen's d_z (mean / sd of
-    the differences; nan for < 2 values or sd 0), how many seeds favour the arm / the reference / tie, both tests' p."""
+    """Of paired differences (arm minus reference, one per seed): the mean with its bootstrap CI, Cohen's d_z (mean / sd
+    of the differences; nan for < 2 values or sd 0), how many seeds favour the arm / the reference / tie, both tests'
+    p."""
     d = np.asarray(list(diffs), dtype=float)
     sd = d.std(ddof=1) if len(d) > 1 else float("nan")
     w, p_w = wilcoxon_signed_rank(d)
     better, worse = (d < 0, d > 0) if lower_is_better else (d > 0, d < 0)
     return {"n": len(d), "diff": float(d.mean()) if len(d) else float("nan"), "diff_ci": bootstrap_ci(d),
             "dz": float(d.mean() / sd) if sd and sd == sd else float("nan"), "arm_better": int(better.sum()),
-            "ref_better": int(worse.sum()), "ties": int((d == 0).sum()), "p_sign": sign_test(d), "W+": w, "p_wilcoxon": p_w}
+            "ref_better": int(worse.sum()), "ties": int((d == 0).sum()), "p_sign": sign_test(d), "W+": w,
+            "p_wilcoxon": p_w}
 
 
-# ---- equivalence (TOST): is a null a confident null? ------------------------------------------------------------------
+# ---- equivalence (TOST): is a null a confident null? -----------------------------------------------------------------
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularised incomplete beta (modified Lentz; Numerical Recipes 3rd ed. §6.4)."""
     tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
@@ -224,9 +230,10 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def tost(diffs, margin: float) -> dict:
-    """Paired two one-sided t-tests (Schuirmann 1987) of |mean difference| < margin: p = max of the two one-sided p-values
-    (equivalence when p < alpha; the same as the 1 - 2 alpha t-interval lying inside +/- margin), with that 90% interval.
-    nan for fewer than 2 differences; a zero spread gives p 0 or 1 by whether the mean is inside the margin."""
+    """Paired two one-sided t-tests (Schuirmann 1987) of |mean difference| < margin: p = max of the two one-sided
+    p-values (equivalence when p < alpha; the same as the 1 - 2 alpha t-interval lying inside +/- margin), with that 90%
+    interval. nan for fewer than 2 differences; a zero spread gives p 0 or 1 by whether the mean is inside the
+    margin."""
     d = np.asarray([x for x in diffs if x == x], dtype=float)
     n = len(d)
     if n < 2:

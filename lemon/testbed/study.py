@@ -3,14 +3,14 @@
 
     python -m lemon.testbed.study ROOT [--out DIR]      # ROOT = the folder experiments/cf_seeds.sh filled
 
-Per world: the oracle (the optimum of every question, regret 0 by definition), the best ONE fixed spec and its regret (what a
-policy that ignores the question can reach), the policy at step 0, and per arm the final regret of its training samples,
-the greedy held-out regret at the last evaluation, steps to the regret threshold and the share of INVALID specs, reported
-apart from regret (an invalid spec is also inside regret, at reward r_invalid; `*_valid` columns average valid specs only).
-Each arm is compared with global GRPO paired by seed (a seed fixes the random-tiny policy, the questions and the first
-samples): mean difference with a bootstrap CI, d_z, seeds in favour, an exact sign test and an exact Wilcoxon signed-rank
-test, both Holm-corrected over every comparison of the study. Writes study.md, study.json and plots/ under --out (ROOT by
-default). Reads files only: no model is loaded.
+Per world: the oracle (the optimum of every question, regret 0 by definition), the best ONE fixed spec and its regret
+(what a policy that ignores the question can reach), the policy at step 0, and per arm the final regret of its training
+samples, the greedy held-out regret at the last evaluation, steps to the regret threshold and the share of INVALID
+specs, reported apart from regret (an invalid spec is also inside regret, at reward r_invalid; `*_valid` columns average
+valid specs only). Each arm is compared with global GRPO paired by seed (a seed fixes the random-tiny policy, the
+questions and the first samples): mean difference with a bootstrap CI, d_z, seeds in favour, an exact sign test and an
+exact Wilcoxon signed-rank test, both Holm-corrected over every comparison of the study. Writes study.md, study.json and
+plots/ under --out (ROOT by default). Reads files only: no model is loaded.
 """
 from __future__ import annotations
 
@@ -48,21 +48,23 @@ def load(root: Path, prompts: Prompts):
 
 
 def per_run(samples: pd.DataFrame, heldout: pd.DataFrame, exp: ExperimentConfig) -> pd.DataFrame:
-    """One row per (arm, seed): final regret (all / valid only), invalid share (last window), steps to threshold, held-out
-    regret (all / valid only) and invalid share at the first and last evaluation."""
+    """One row per (arm, seed): final regret (all / valid only), invalid share (last window), steps to threshold,
+    held-out regret (all / valid only) and invalid share at the first and last evaluation."""
     rows = []
     for (arm, seed), g in samples.groupby(["arm", "seed"]):
         last = g[g["step"] > g["step"].max() - exp.final_window]
         row = {"arm": arm, "seed": seed, "final_regret": last["regret"].mean(),
-               "final_regret_valid": last.loc[last["valid"], "regret"].mean(), "final_invalid": 1 - last["valid"].mean(),
+               "final_regret_valid": last.loc[last["valid"], "regret"].mean(),
+               "final_invalid": 1 - last["valid"].mean(),
                "steps_to_threshold": steps_to_threshold(step_curves(g), exp.threshold, exp.smooth),
                "mean_reward": g["expected_reward"].mean()}
         h = heldout[(heldout["arm"] == arm) & (heldout["seed"] == seed)] if len(heldout) else heldout
         if len(h):
             h0, h1 = h[h["step"] == h["step"].min()], h[h["step"] == h["step"].max()]
             row.update(heldout_step=int(h1["step"].iloc[0]), heldout_regret=h1["regret"].mean(),
-                       heldout_regret_valid=h1.loc[h1["valid"], "regret"].mean(), heldout_invalid=1 - h1["valid"].mean(),
-                       start_regret=h0["regret"].mean(), start_invalid=1 - h0["valid"].mean())
+                       heldout_regret_valid=h1.loc[h1["valid"], "regret"].mean(),
+                       heldout_invalid=1 - h1["valid"].mean(), start_regret=h0["regret"].mean(),
+                       start_invalid=1 - h0["valid"].mean())
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -73,8 +75,9 @@ def reference(world, run_dir: Path) -> dict:
     spec, per_type, regret = best_fixed(world, reward, max_agents, caps)
     ex = {t: next(e for e in world.examples() if world.type_of(e) == t) for t in world.config.types}
     opt = {t: world.optimum(ex[t], reward, max_agents, caps).expected_reward for t in ex}
-    return {"oracle_reward": float(np.mean(list(opt.values()))), "best_fixed_reward": float(np.mean(list(per_type.values()))),
-            "best_fixed_regret": float(regret), "best_fixed_spec": spec.to_yaml(), "types": list(ex)}
+    return {"oracle_reward": float(np.mean(list(opt.values()))),
+            "best_fixed_reward": float(np.mean(list(per_type.values()))), "best_fixed_regret": float(regret),
+            "best_fixed_spec": spec.to_yaml(), "types": list(ex)}
 
 
 def arm_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -133,8 +136,8 @@ def comparisons(runs_by_world: dict[str, pd.DataFrame], base: str = "global",
 
 
 def verdict(row: dict) -> str:
-    """'separated' (Wilcoxon, Holm), else 'equivalent' (TOST at the metric's margin, Holm), else 'inconclusive' (neither:
-    the seeds cannot tell a difference of the margin's size from none)."""
+    """'separated' (Wilcoxon, Holm), else 'equivalent' (TOST at the metric's margin, Holm), else 'inconclusive'
+    (neither: the seeds cannot tell a difference of the margin's size from none)."""
     if row["p_wilcoxon_holm"] < ALPHA:
         return "separated: " + ("arm better" if row["arm_better"] > row["ref_better"] else "reference better")
     if row.get("p_tost_holm") == row.get("p_tost_holm") and row["p_tost_holm"] < ALPHA:
@@ -143,8 +146,8 @@ def verdict(row: dict) -> str:
 
 
 def curves_grid(data: dict, refs: dict, note: str):
-    """Rows = worlds; columns = expected reward of samples, regret of samples, held-out greedy regret; mean over seeds per
-    arm with a 95% bootstrap band; dashed = the best fixed spec (regret panels) / the oracle (reward panel)."""
+    """Rows = worlds; columns = expected reward of samples, regret of samples, held-out greedy regret; mean over seeds
+    per arm with a 95% bootstrap band; dashed = the best fixed spec (regret panels) / the oracle (reward panel)."""
     plt = _plt()
     worlds = list(data)
     arms = list(dict.fromkeys(a for w in worlds for a in data[w][0]["arm"].unique()))
@@ -181,7 +184,8 @@ def _fmt(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def study(root: Path, out: Path | None = None, prompts: Prompts | None = None) -> Path:
-    """Read every world folder under root, write study.json, study.md and plots/curves.png under out; returns study.md."""
+    """Read every world folder under root, write study.json, study.md and plots/curves.png under out; returns
+    study.md."""
     root, prompts = Path(root), prompts or default_prompts()
     out = Path(out or root)
     folders = sorted(p.parent for p in root.glob("*/experiment.json"))
@@ -211,29 +215,33 @@ def study(root: Path, out: Path | None = None, prompts: Prompts | None = None) -
     (out / "study.json").write_text(json.dumps({
         "worlds": {w: {"reference": refs[w], "arms": tables[w].to_dict(orient="records"),
                        "runs": runs[w].to_dict(orient="records"), "train_s_per_run": times[w],
-                       "config": {k: v for k, v in json.loads((root / w / "experiment.json").read_text())["config"].items()}}
+                       "config": {k: v
+                                  for k, v in json.loads((root / w / "experiment.json").read_text())["config"].items()}}
                    for w in runs},
         "comparisons": comp.to_dict(orient="records")}, indent=1, default=str))
     md = ["# CF-GRPO vs global GRPO across worlds (SIMULATED workers, issue 30)", "",
           f"Regenerate: `python -m lemon.testbed.study {root}` (runs: `bash experiments/cf_seeds.sh {root}`).", "",
-          "Regret = oracle expected reward - the spec's exact expected reward (0 = optimal). `start_regret` = greedy held-out "
-          "regret of the policy before training (step 0). Invalid specs are inside regret at reward r_invalid; "
-          "`*_valid` averages valid specs only and `*_invalid` is their share. CIs: 95% bootstrap over seeds.", "",
+          "Regret = oracle expected reward - the spec's exact expected reward (0 = optimal). `start_regret` = "
+          "greedy held-out regret of the policy before training (step 0). Invalid specs are inside regret at "
+          "reward r_invalid; `*_valid` averages valid specs only and `*_invalid` is their share. CIs: 95% "
+          "bootstrap over seeds.", "",
           "## Reference per world", "",
           md_table(pd.DataFrame([{"world": w, "types": ", ".join(r["types"]), "oracle reward": r["oracle_reward"],
-                                  "best fixed reward": r["best_fixed_reward"], "best fixed regret": r["best_fixed_regret"],
-                                  "train s / run": times[w]} for w, r in refs.items()])), ""]
+                                  "best fixed reward": r["best_fixed_reward"],
+                                  "best fixed regret": r["best_fixed_regret"], "train s / run": times[w]}
+                                  for w, r in refs.items()])), ""]
     for w in runs:
         e = exps[w]
         md += [f"## {w}", "", f"{e.max_steps} steps, {e.train_questions} training / {e.heldout_questions} held-out "
                f"questions, base `{e.base}`, overrides {dict(e.train_overrides)}; threshold {e.threshold:g} "
                f"({e.smooth}-step running mean).", "", md_table(_fmt(tables[w])), ""]
-    cols = ["world", "arm", "vs", "metric", "n", "diff", "diff_ci", "dz", "arm_better", "ref_better", "ties", "p_sign_holm",
-            "p_wilcoxon", "p_wilcoxon_holm", "ci90", "p_tost_holm", "verdict"]
+    cols = ["world", "arm", "vs", "metric", "n", "diff", "diff_ci", "dz", "arm_better", "ref_better", "ties",
+            "p_sign_holm", "p_wilcoxon", "p_wilcoxon_holm", "ci90", "p_tost_holm", "verdict"]
     md += ["## Paired by seed: each arm minus global GRPO", "",
-           "diff < 0 favours the arm for regrets and steps, diff > 0 for mean reward. Holm over all rows of this table, "
-           "separately for each test. `ci90` and `p_tost`: two one-sided paired t-tests of |diff| < 0.05 (equivalence; "
-           "steps to threshold has no margin). Verdict: separated (Wilcoxon), else equivalent (TOST), else inconclusive.",
+           "diff < 0 favours the arm for regrets and steps, diff > 0 for mean reward. Holm over all rows of "
+           "this table, separately for each test. `ci90` and `p_tost`: two one-sided paired t-tests of |diff| < 0.05 "
+           "(equivalence; steps to threshold has no margin). Verdict: separated (Wilcoxon), else equivalent (TOST), "
+           "else inconclusive.",
            "", "Metrics: " + "; ".join(f"`{m}` = {d}" for m, (d, _, _) in METRICS.items()) + ".", "",
            md_table(_fmt(comp[cols])) if len(comp) else "(no global arm: nothing to pair)", "",
            "![curves](plots/curves.png)", ""]
@@ -243,7 +251,8 @@ def study(root: Path, out: Path | None = None, prompts: Prompts | None = None) -
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", type=Path, help="folder with one <world>/experiment.json per world")
     ap.add_argument("--out", type=Path, default=None, help="where study.md / study.json / plots go (default: root)")
     a = ap.parse_args(argv)

@@ -1,10 +1,10 @@
-"""A simulated world: real benchmark examples (train pools), the SIMULATED worker pool of lemon.testbed.sim, and the exact
-expected reward, optimum and regret of any spec on it.
+"""A simulated world: real benchmark examples (train pools), the SIMULATED worker pool of lemon.testbed.sim, and the
+exact expected reward, optimum and regret of any spec on it.
 
-`expected_reward` mirrors what the executor does with a spec (lemon.run.executor): only agents that reach `final` run, the
-token budget is checked at level boundaries on nominal tokens (past it: score 0), and the reward is the project's own
-`lemon.train.rewards.compute_reward` applied to each final state, weighted by its exact probability. The Monte-Carlo test in
-tests/test_testbed.py runs specs through the real executor with `world.pool()` and checks the mean against this.
+`expected_reward` mirrors what the executor does with a spec (lemon.run.executor): only agents that reach `final` run,
+the token budget is checked at level boundaries on nominal tokens (past it: score 0), and the reward is the project's
+own `lemon.train.rewards.compute_reward` applied to each final state, weighted by its exact probability. The Monte-Carlo
+test in tests/test_testbed.py runs specs through the real executor with `world.pool()` and checks the mean against this.
 """
 from __future__ import annotations
 
@@ -21,44 +21,46 @@ from lemon.testbed.sim import (KIND_OF, MessageReader, Node, SimBackend, SimConf
                                TaskType, call_tokens, duty_effect, final_distribution, final_text)
 from lemon.train.rewards import RewardConfig, compute_reward
 
-# What a duty must name to pay (lemon.testbed.sim.duty_effect): the testbed's worlds use letter pairs, not real words, so
-# that the random tiny policies meet them at step 0 (LOG.md, 2026-12-07; grammar-sampled duties of 16 characters: 're' in
-# 19% / 15%, 'in' in 28% / 16% of 148 / 309 duties of the SmolLM2-vocabulary / testbed-BPE random policies; 'solve', 'add',
-# 'total', 'check', 'verify' in 0-1%): a policy then has something to find, and m_R's delta has both signs. A
-# language-model policy would be given real words ('solve', 'check').
+# What a duty must name to pay (lemon.testbed.sim.duty_effect): the testbed's worlds use letter pairs, not real words,
+# so that the random tiny policies meet them at step 0 (LOG.md, 2026-12-07; grammar-sampled duties of 16 characters:
+# 're' in 19% / 15%, 'in' in 28% / 16% of 148 / 309 duties of the SmolLM2-vocabulary / testbed-BPE random policies;
+# 'solve', 'add', 'total', 'check', 'verify' in 0-1%): a policy then has something to find, and m_R's delta has both
+# signs. A language-model policy would be given real words ('solve', 'check').
 _WORDS = {"solve": ("re",), "check": ("in",)}
 _SOLVE_WORDS = {"solve": ("re",)}
 
-# Two task types whose optima differ (default reward): MultiArith is 'easy' (a small solver with a customized duty is right
-# every time), GSM8K is 'hard' (a large customized solver, a note, and a large checker all pay).
+# Two task types whose optima differ (default reward): MultiArith is 'easy' (a small solver with a customized duty is
+# right every time), GSM8K is 'hard' (a large customized solver, a note, and a large checker all pay).
 TWO_TYPES = SimConfig(types={"easy": TaskType({"small": 0.85, "medium": 0.9, "large": 0.95}),
                              "hard": TaskType({"small": 0.05, "medium": 0.25, "large": 0.55}, plan_bonus=0.1)},
                       benchmark_type={"multiarith": "easy", "gsm8k": "hard"}, duty_words=_WORDS, off_duty_penalty=0.1)
-# One type for the test suite: the optimum (a large customized solver read by a large customized checker, success ~0.9) is
-# far from a typical warm-start spec (random capacities, chains ending in a decider: ~0.2-0.5).
-TINY = SimConfig(types={"hard": TaskType({"small": 0.05, "medium": 0.2, "large": 0.5})}, benchmark_type={"gsm8k": "hard"},
-                 q_fix={"small": 0.0, "medium": 0.2, "large": 0.6}, solve_duty_bonus=0.2, check_duty_bonus=0.1,
-                 duty_words=_WORDS, off_duty_penalty=0.1)
+# One type for the test suite: the optimum (a large customized solver read by a large customized checker, success ~0.9)
+# is far from a typical warm-start spec (random capacities, chains ending in a decider: ~0.2-0.5).
+TINY = SimConfig(types={"hard": TaskType({"small": 0.05, "medium": 0.2, "large": 0.5})},
+                 benchmark_type={"gsm8k": "hard"}, q_fix={"small": 0.0, "medium": 0.2, "large": 0.6},
+                 solve_duty_bonus=0.2, check_duty_bonus=0.1, duty_words=_WORDS, off_duty_penalty=0.1)
 
 
 # Worlds where a DIFFERENT spec field carries the reward (the question: does localized credit beat global credit when
 # several fields pay?). Replies cost the same at every capacity where capacity must not matter, so a capacity edit's
 # contrast is 0.
 _EQ_TOKENS = {"small": 160, "medium": 160, "large": 160}
-# role / duty: capacity is irrelevant and checkers never fix anything; a solver is right 0.25 of the time with its default
-# duty, 0.85 with a duty naming 're' and 0.05 with any other duty; any other role answers nothing. The role and duty edits
-# pay (both ways), capacity and edges do not.
-DUTY = SimConfig(types={"hard": TaskType({"small": 0.25, "medium": 0.25, "large": 0.25})}, benchmark_type={"gsm8k": "hard"},
-                 q_fix={"small": 0.0, "medium": 0.0, "large": 0.0}, solve_duty_bonus=0.6, check_duty_bonus=0.0,
-                 completion_tokens=_EQ_TOKENS, duty_words=_SOLVE_WORDS, off_duty_penalty=0.2)
-# dependency: a solver alone is right 0.3 of the time at any capacity; a verifier READING it fixes a wrong answer with 0.9
-# (0.93 together); a verifier reading nothing answers nothing. Dropping the solver -> verifier edge is what pays.
-EDGE = SimConfig(types={"hard": TaskType({"small": 0.3, "medium": 0.3, "large": 0.3})}, benchmark_type={"gsm8k": "hard"},
-                 q_fix={"small": 0.9, "medium": 0.9, "large": 0.9}, solve_duty_bonus=0.0, check_duty_bonus=0.0,
-                 completion_tokens=_EQ_TOKENS)
-# mixed: two task types whose best workers differ (MultiArith: the small worker is the specialist, 0.9 vs 0.1 for the large;
-# GSM8K: the reverse), so no single spec is right on both and only a policy that reads the question reaches the optimum;
-# checkers fix little (0.3) and customized duties add 0.05. The best fixed spec's regret is in tests/test_testbed_worlds.py.
+# role / duty: capacity is irrelevant and checkers never fix anything; a solver is right 0.25 of the time with its
+# default duty, 0.85 with a duty naming 're' and 0.05 with any other duty; any other role answers nothing. The role and
+# duty edits pay (both ways), capacity and edges do not.
+DUTY = SimConfig(types={"hard": TaskType({"small": 0.25, "medium": 0.25, "large": 0.25})},
+                 benchmark_type={"gsm8k": "hard"}, q_fix={"small": 0.0, "medium": 0.0, "large": 0.0},
+                 solve_duty_bonus=0.6, check_duty_bonus=0.0, completion_tokens=_EQ_TOKENS, duty_words=_SOLVE_WORDS,
+                 off_duty_penalty=0.2)
+# dependency: a solver alone is right 0.3 of the time at any capacity; a verifier READING it fixes a wrong answer with
+# 0.9 (0.93 together); a verifier reading nothing answers nothing. Dropping the solver -> verifier edge is what pays.
+EDGE = SimConfig(types={"hard": TaskType({"small": 0.3, "medium": 0.3, "large": 0.3})},
+                 benchmark_type={"gsm8k": "hard"}, q_fix={"small": 0.9, "medium": 0.9, "large": 0.9},
+                 solve_duty_bonus=0.0, check_duty_bonus=0.0, completion_tokens=_EQ_TOKENS)
+# mixed: two task types whose best workers differ (MultiArith: the small worker is the specialist, 0.9 vs 0.1 for the
+# large; GSM8K: the reverse), so no single spec is right on both and only a policy that reads the question reaches the
+# optimum; checkers fix little (0.3) and customized duties add 0.05. The best fixed spec's regret is in
+# tests/test_testbed_worlds.py.
 MIXED = SimConfig(types={"specialist": TaskType({"small": 0.9, "medium": 0.4, "large": 0.1}),
                          "general": TaskType({"small": 0.1, "medium": 0.4, "large": 0.9})},
                   benchmark_type={"multiarith": "specialist", "gsm8k": "general"},
@@ -67,9 +69,9 @@ MIXED = SimConfig(types={"specialist": TaskType({"small": 0.9, "medium": 0.4, "l
 
 
 # multi: one type where SEVERAL live fields each carry a modest, signed effect on reward, through success and token cost
-# (where localized credit should pay most: a whole-spec advantage mixes them all). The solver's capacity (0.2 / 0.45 / 0.6,
-# a larger worker also costs more tokens), a note it reads (+0.1), a checker reading it (fixes 0.1 / 0.3 / 0.45 of wrong
-# answers) and both duties (+0.15 / +0.1 when they name 're' / 'in', -0.1 when they name neither).
+# (where localized credit should pay most: a whole-spec advantage mixes them all). The solver's capacity (0.2 / 0.45 /
+# 0.6, a larger worker also costs more tokens), a note it reads (+0.1), a checker reading it (fixes 0.1 / 0.3 / 0.45 of
+# wrong answers) and both duties (+0.15 / +0.1 when they name 're' / 'in', -0.1 when they name neither).
 MULTI = SimConfig(types={"hard": TaskType({"small": 0.2, "medium": 0.45, "large": 0.6}, plan_bonus=0.1)},
                   benchmark_type={"gsm8k": "hard"}, q_fix={"small": 0.1, "medium": 0.3, "large": 0.45},
                   solve_duty_bonus=0.15, check_duty_bonus=0.1, duty_words=_WORDS, off_duty_penalty=0.1)
@@ -107,7 +109,8 @@ class TextScore:
 
 
 class SimWorld:
-    """Examples by task text, the simulated pool, and exact expected reward / optimum / regret. Prompts passed explicitly."""
+    """Examples by task text, the simulated pool, and exact expected reward / optimum / regret. Prompts passed
+    explicitly."""
 
     def __init__(self, config: SimConfig, prompts: Prompts, examples=None):
         self.config, self.prompts, self.reader = config, prompts, MessageReader(prompts)
@@ -149,8 +152,9 @@ class SimWorld:
     def lookup(self, task: str) -> tuple[B.Example, TaskType]:
         e = self._by_task.get(task)
         if e is None:
-            raise SimUnknownTaskError(f"task {task[:80]!r} is not one of this SimWorld's {len(self._by_task)} examples; "
-                                      "build the world with every example the trainer may draw (SimWorld(examples=...))")
+            raise SimUnknownTaskError(f"task {task[:80]!r} is not one of this SimWorld's "
+                                      f"{len(self._by_task)} examples; build the world with every example the trainer "
+                                      "may draw (SimWorld(examples=...))")
         return e, self.config.types[self.type_of(e)]
 
     def worker_max_tokens(self) -> dict[str, int]:
@@ -158,7 +162,8 @@ class SimWorld:
         return dict(self.config.completion_tokens)
 
     def worst_tokens(self, max_agents: int) -> int:
-        """Nominal tokens of the most expensive spec of max_agents agents: a complete DAG, every agent at the longest reply."""
+        """Nominal tokens of the most expensive spec of max_agents agents: a complete DAG, every agent at the longest
+        reply."""
         longest = max(self.config.completion_tokens.values())
         return sum(self.config.prompt_tokens + longest * (1 + k) for k in range(max_agents))
 
@@ -168,7 +173,8 @@ class SimWorld:
                           {c: SamplingParams(max_tokens=self.config.completion_tokens[c]) for c in CAPACITIES})
 
     def describe(self) -> dict:
-        return {"workers": "SIMULATED (lemon.testbed.sim)", "config": self.config.to_dict(), "examples": len(self._by_task),
+        return {"workers": "SIMULATED (lemon.testbed.sim)", "config": self.config.to_dict(),
+                "examples": len(self._by_task),
                 "by_type": {t: sum(self.type_of(e) == t for e in self._by_task.values()) for t in self.config.types}}
 
     # ---- exact evaluation -----------------------------------------------------------------------------------------
@@ -211,7 +217,8 @@ class SimWorld:
         dist = final_distribution(nodes, self.config.types[self.type_of(example)], cfg)
         last = nodes[-1]
         rewards = {s: self._reward(spec, 0.0 if exceeded else self._score(example, final_text(s, last.cap, last.kind,
-                                                                                            example.gold, 1)), tokens, reward_cfg)
+                                                                                            example.gold, 1)),
+                                   tokens, reward_cfg)
                    for s in dist}
         p_ok = 0.0 if exceeded else dist.get("correct", 0.0)
         return Evaluation(sum(p * rewards[s] for s, p in dist.items()), p_ok, tokens, exceeded, rewards)
@@ -219,7 +226,8 @@ class SimWorld:
     def evaluate(self, spec: Spec, example: B.Example, reward_cfg: RewardConfig,
                  caps: ExecutorCaps = ExecutorCaps()) -> Evaluation:
         if len(spec.agents) > caps.max_agents:
-            raise ValueError(f"spec has {len(spec.agents)} agents > caps.max_agents={caps.max_agents}: the executor refuses it")
+            raise ValueError(f"spec has {len(spec.agents)} agents > caps.max_agents={caps.max_agents}: the "
+                             "executor refuses it")
         return self.evaluate_nodes(self.nodes_of(spec), spec, example, reward_cfg, caps)
 
     def expected_reward(self, spec: Spec, example: B.Example, reward_cfg: RewardConfig,
@@ -239,14 +247,16 @@ class SimWorld:
                                            caps).expected_reward
             nodes, _, count = search(value, self.config.types[self.type_of(example)], self.config,
                                      min(max_agents, caps.max_agents))
-            spec = parse_spec(spec_of(nodes, self.prompts, self.config).to_yaml(), base_roles=self.prompts.roles_for("math"))
+            spec = parse_spec(spec_of(nodes, self.prompts, self.config).to_yaml(),
+                              base_roles=self.prompts.roles_for("math"))
             ev = self.evaluate(spec, example, reward_cfg, caps)
             self._optima[key] = Optimum(spec, ev.expected_reward, ev.p_success, ev.tokens, count)
         return self._optima[key]
 
     def score_text(self, text: str, example: B.Example, reward_cfg: RewardConfig, max_agents: int,
                    caps: ExecutorCaps = ExecutorCaps()) -> TextScore:
-        """Parse a spec text as the trainer does; invalid -> the reward of an invalid spec (compute_reward(None, ...))."""
+        """Parse a spec text as the trainer does; invalid -> the reward of an invalid spec (compute_reward(None,
+        ...))."""
         best = self.optimum(example, reward_cfg, max_agents, caps).expected_reward
         try:
             spec = parse_spec(text, base_roles=self.prompts.roles_for(B.get_benchmark(example.benchmark).domain),

@@ -99,10 +99,10 @@ def apply_overrides(obj, overrides: dict, what: str = "config"):
 
 
 def workers_from_file(path) -> tuple[dict, dict]:
-    """A --workers file (lemon.run.workers.load_worker_config) split into TrainConfig.workers (its capacity entries, with
-    every client setting) and its max_tokens ({} if none). Training caps replies at TrainConfig.worker_max_tokens (they size
-    the budgets; pipeline.build_pool hands them to the pool), so a file's max_tokens reach training only via a preset's
-    workers_file (the paper preset)."""
+    """A --workers file (lemon.run.workers.load_worker_config) split into TrainConfig.workers (its capacity entries,
+    with every client setting) and its max_tokens ({} if none). Training caps replies at TrainConfig.worker_max_tokens
+    (they size the budgets; pipeline.build_pool hands them to the pool), so a file's max_tokens reach training only via
+    a preset's workers_file (the paper preset)."""
     cfg = load_worker_config(path)
     caps = cfg.pop("max_tokens", None) or {}
     return cfg, caps
@@ -120,13 +120,15 @@ def with_workers(cfg: "TrainConfig", path) -> tuple["TrainConfig", list[str]]:
         notes.append(f"{path} names workers that are not llama-servers: deterministic_workers is off (it applies to "
                      "llama-server workers only)")
     if caps and caps != cfg.worker_max_tokens:
-        notes.append(f"training caps worker replies at the {cfg.profile} preset's {cfg.worker_max_tokens} (they size its "
-                     f"budgets), not {path}'s max_tokens {caps}")
+        notes.append(f"training caps worker replies at the {cfg.profile} preset's {cfg.worker_max_tokens} "
+                     f"(they size its budgets), not {path}'s max_tokens {caps}")
     return replace(cfg, workers=workers, deterministic_workers=det), notes
 
-# Measured sizes used to size presets (2026-12-01; tests/test_config.py re-measures them with the real tokenizers):
+# Measured sizes used to size presets (LOG.md, 2026-12-01; tests/test_config.py re-measures them with the real
+# tokenizers):
 SPEC_TOKENS_PER_AGENT = 90
-"""Qwen2.5 tokens of one agent of a canonical spec with the grammar's longest role (48 chars) and duty (200 chars), ~85."""
+"""Qwen2.5 tokens of one agent of a canonical spec with the grammar's longest role (48 chars) and duty (200 chars),
+~85."""
 SPEC_TOKENS_FIXED = 16
 """Tokens of `agents:` and `final: aN` around the agents."""
 WORKER_PROMPT_TOKENS = 420
@@ -177,12 +179,13 @@ class TrainConfig:
     """Sampling temperature of the orchestrator's rollouts."""
     max_completion_length: int = 320
     """Max spec tokens per rollout. size_budgets()['completion'] holds max_agents canonical agents at ~90 Qwen2.5 tokens
-    each, not the grammar's worst case: 200 free duty characters can take ~200 tokens (the 135M's gibberish duties hit the
-    cap in 7 of 480 testbed samples, which then score as invalid; LOG.md 2026-12-02)."""
+    each, not the grammar's worst case: 200 free duty characters can take ~200 tokens (the 135M's gibberish duties hit
+    the cap in 7 of 480 testbed samples, which then score as invalid; LOG.md 2026-12-02)."""
     max_agents: int = 4
     """Most agents a spec may have (told to the model, enforced by the parser and the grammar)."""
     constrained: bool = True
-    """Sample specs under the spec grammar (lemon.spec.grammar): every rollout is valid; False = the unconstrained ablation."""
+    """Sample specs under the spec grammar (lemon.spec.grammar): every rollout is valid; False = the unconstrained
+    ablation."""
     role_chars: int = ROLE_CHARS
     """Longest `role` text the grammar lets a rollout write (shorter = fewer tokens per spec; tests use this)."""
     duty_chars: int = DUTY_CHARS
@@ -193,11 +196,13 @@ class TrainConfig:
     """Edit families allowed (an ablation may keep one)."""
     cf_baseline: str = "none"
     """CF contrast baseline (lemon.train.cf.baselined_deltas): 'none' = the paper's raw delta; 'family' = minus the
-    step's leave-one-out mean delta of the same edit family (an extension: the paper's one-sided edits make most deltas > 0)."""
+    step's leave-one-out mean delta of the same edit family (an extension: the paper's one-sided edits make most
+    deltas > 0)."""
     family_floor: float = 0.1
     """Probability floor of each family in the adaptive sampler."""
     scale_rewards: str = "none"
-    """Divisor of both the global and the CF advantage: 'none' (raw reward units: a fixed CF weight), 'batch' std or 'group' std (lemon.train.cf)."""
+    """Divisor of both the global and the CF advantage: 'none' (raw reward units: a fixed CF weight), 'batch' std or
+    'group' std (lemon.train.cf)."""
     std_floor: float = 0.1
     """Smallest divisor under 'batch' / 'group' scaling (a flat step must not blow up a counterfactual contrast)."""
     resample: int = 1
@@ -206,26 +211,32 @@ class TrainConfig:
     """Prefer training questions whose groups had reward spread (labels from training executions)."""
     mask_forced_tokens: bool = True
     """Tokens the grammar forced (one allowed choice) get advantage 0 in both terms (lemon.train.cf.forced_mask says
-    why); False = the whole completion carries the rollout's advantage, as before."""
+    why); False = the whole completion carries the rollout's advantage."""
     stratify: bool = False
     """Every step's questions go round-robin over the training benchmarks (the testbed's task types), so a step of Q >=
-    #benchmarks questions sees each of them (lemon.train.episodes.CurriculumSampler); False = drawn regardless of benchmark."""
+    #benchmarks questions sees each of them (lemon.train.episodes.CurriculumSampler); False = drawn regardless of
+    benchmark."""
     worker_seed_per_step: bool = False
-    """A fresh worker seed each step (the testbed's simulated workers); False = the run seed always (greedy real workers)."""
+    """A fresh worker seed each step (the testbed's simulated workers); False = the run seed always (greedy real
+    workers)."""
     deterministic_workers: bool = False
-    """Score rollouts and their edits on llama-server workers in deterministic mode (ServerConfig.deterministic: one request
-    in flight per server, prompt cache off), so a spec's reward and its CF delta do not depend on what else is in flight
-    (issue 30: 11 of 20 identical greedy requests flipped at 8 in flight, 0 of 20 in this mode, LOG.md 2026-12-05). On by
-    default in the llama-server presets (smoke, cpu); costs batching throughput (1.8x slower in that bench on 2 busy
-    cores). Only for llama-server workers: build_pool refuses it for any other backend rather than skip it."""
+    """Score rollouts and their edits on llama-server workers in deterministic mode (ServerConfig.deterministic: one
+    request in flight per server, prompt cache off), so a spec's reward and its CF delta do not depend on what else is
+    in flight (11 of 20 identical greedy requests flipped at 8 in flight, 0 of 20 in this mode:
+    outputs/reference/flip-rate-20261205). On by default in the llama-server presets (smoke, cpu); costs batching
+    throughput (1.8x slower in that bench on 2 busy cores). Only for llama-server workers: build_pool refuses it for any
+    other backend rather than skip it."""
     rollout_concurrency: int = 8
     """Spec executions in flight at once (workers bound it further by their own slots)."""
     sample_dtype: str = "auto"
-    """How rollouts are sampled (lemon.policy.dtype): 'auto' (a bf16 copy on a native-bf16 CPU), 'model', 'bf16_copy', 'autocast_bf16'."""
+    """How rollouts are sampled (lemon.policy.dtype): 'auto' (a bf16 copy on a native-bf16 CPU), 'model', 'bf16_copy',
+    'autocast_bf16'."""
     train_dtype: str = "auto"
-    """Loss forward/backward: 'auto' (bf16 autocast where the CPU supports it, fp32 otherwise; CUDA: bf16), 'fp32', 'bf16'."""
+    """Loss forward/backward: 'auto' (bf16 autocast where the CPU supports it, fp32 otherwise; CUDA: bf16), 'fp32',
+    'bf16'."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (the paper profile: a 7B policy at batch 16 x ~1.7k tokens needs it)."""
+    """Recompute activations in the backward pass (the paper profile: a 7B policy at batch 16 x ~1.7k tokens needs
+    it)."""
     worker_max_tokens: dict = field(default_factory=lambda: {"small": 192, "medium": 256, "large": 320})
     """Per-capacity cap on each agent's reply during training."""
     task_token_budget: int = 6000
@@ -241,11 +252,12 @@ class TrainConfig:
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO's advantage is relative to the group")
         if self.batch_size % self.num_generations:
-            raise ValueError(f"batch_size={self.batch_size} is not a multiple of num_generations={self.num_generations}: "
-                             "every prompt's group must fit in one batch")
+            raise ValueError(f"batch_size={self.batch_size} is not a multiple of "
+                             f"num_generations={self.num_generations}: every prompt's group must fit in one batch")
         mb = self.micro_batch or self.batch_size
         if self.batch_size % mb:
-            raise ValueError(f"micro_batch={self.micro_batch} must divide batch_size={self.batch_size} (gradient accumulation)")
+            raise ValueError(f"micro_batch={self.micro_batch} must divide batch_size={self.batch_size} (gradient "
+                             "accumulation)")
         if self.cf_lambda < 0:
             raise ValueError("cf_lambda must be >= 0 (the sign of the contrast is carried by delta)")
         bad = set(self.cf_families) - set(FAMILIES)
@@ -254,27 +266,33 @@ class TrainConfig:
         if not 1 <= self.max_agents <= MAX_AGENTS:
             raise ValueError(f"max_agents must be in 1..{MAX_AGENTS}")
         if self.train_questions < self.batch_size // self.num_generations:
-            raise ValueError(f"train_questions={self.train_questions} < {self.batch_size // self.num_generations} questions "
-                             "per step (batch_size / num_generations)")
+            raise ValueError(f"train_questions={self.train_questions} < "
+                             f"{self.batch_size // self.num_generations} questions per step (batch_size / "
+                             "num_generations)")
         if self.max_steps < 1 or self.save_steps < 1 or self.resample < 0 or self.rollout_concurrency < 1:
             raise ValueError("max_steps, save_steps and rollout_concurrency must be >= 1 and resample >= 0")
         if self.cf_baseline not in ("none", "family"):
-            raise ValueError(f"cf_baseline={self.cf_baseline!r} must be 'none' (the paper) or 'family' (lemon.train.cf)")
+            raise ValueError(f"cf_baseline={self.cf_baseline!r} must be 'none' (the paper) or 'family' "
+                             "(lemon.train.cf)")
         if self.scale_rewards not in ("batch", "group", "none") or self.std_floor <= 0:
             raise ValueError(f"scale_rewards={self.scale_rewards!r} must be batch|group|none and std_floor > 0")
         if self.sample_dtype not in (*SAMPLING_DTYPES, "auto") or self.train_dtype not in TRAIN_DTYPES:
-            raise ValueError(f"sample_dtype must be auto or one of {SAMPLING_DTYPES} and train_dtype one of {TRAIN_DTYPES}")
+            raise ValueError(f"sample_dtype must be auto or one of {SAMPLING_DTYPES} and train_dtype one of "
+                             f"{TRAIN_DTYPES}")
         if self.reward.max_agents != self.max_agents:
-            raise ValueError(f"reward.max_agents={self.reward.max_agents} != max_agents={self.max_agents}: graph cost must be "
-                             "normalised by the largest spec training allows (use train_preset, or set both)")
-        SpecGrammar(("solver",), role_chars=self.role_chars, duty_chars=self.duty_chars)  # its own bounds check (ValueError)
+            raise ValueError(f"reward.max_agents={self.reward.max_agents} != max_agents={self.max_agents}: graph "
+                             "cost must be normalised by the largest spec training allows (use train_preset, "
+                             "or set both)")
+        # its own bounds check (ValueError)
+        SpecGrammar(("solver",), role_chars=self.role_chars, duty_chars=self.duty_chars)
         need = size_budgets(self.max_agents, self.worker_max_tokens)["completion"]
         if self.constrained and self.max_completion_length < need:
-            raise ValueError(f"max_completion_length={self.max_completion_length} cannot hold a {self.max_agents}-agent spec "
-                             f"(~{need} tokens, lemon.train.config.size_budgets)")
+            raise ValueError(f"max_completion_length={self.max_completion_length} cannot hold a "
+                             f"{self.max_agents}-agent spec (~{need} tokens, lemon.train.config.size_budgets)")
 
     def grammar(self, prompts, domain: str) -> SpecGrammar:
-        """The spec grammar rollouts of this config are sampled under for a task of `domain` (training and held-out eval)."""
+        """The spec grammar rollouts of this config are sampled under for a task of `domain` (training and held-out
+        eval)."""
         return SpecGrammar.for_domain(prompts, domain, max_agents=self.max_agents, role_chars=self.role_chars,
                                       duty_chars=self.duty_chars)
 

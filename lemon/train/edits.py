@@ -4,16 +4,16 @@ Three families (REGISTRY below: one EditFamily record each), each changing exact
   m_E "edge":     drop one dependency edge (child no longer reads parent);
   m_R "role":     roll one agent's customized duty back to its base role's default duty (from the prompts file);
   m_L "capacity": lower one agent's capacity one level (large -> medium -> small).
-An edit is made on the TEXT the model wrote (only the edited value's characters change), so every other agent is byte-identical
-and the node cache reuses it. The rewrite never depends on the YAML style the model chose: a duty becomes one double-quoted
-scalar (valid wherever a block, folded, plain or quoted scalar stood), a capacity keeps its quoting, and a dependency list is
-rewritten from just after its key's `:` as a flow list (valid after a block, indentless-block or flow list alike, and inside a
-flow mapping / JSON). The edited text is re-parsed AND compared with the expected spec (the original with exactly that one
-change); an edit that fails either check raises EditError, so a caller never trains on a wrong counterfactual.
-Each Edit carries the character span of the edited value in the ORIGINAL text: the counterfactual loss puts the reward
-contrast on exactly those tokens (lemon.train.spanmap maps it onto the sampled ids).
-A site whose edit would change nothing is never eligible: duty already the default, capacity already small, and any agent that
-cannot reach `final` (it is not executed, so editing it is a no-op).
+An edit is made on the TEXT the model wrote (only the edited value's characters change), so every other agent is
+byte-identical and the node cache reuses it. The rewrite never depends on the YAML style the model chose: a duty becomes
+one double-quoted scalar (valid wherever a block, folded, plain or quoted scalar stood), a capacity keeps its quoting,
+and a dependency list is rewritten from just after its key's `:` as a flow list (valid after a block, indentless-block
+or flow list alike, and inside a flow mapping / JSON). The edited text is re-parsed AND compared with the expected spec
+(the original with exactly that one change); an edit that fails either check raises EditError, so a caller never trains
+on a wrong counterfactual. Each Edit carries the character span of the edited value in the ORIGINAL text: the
+counterfactual loss puts the reward contrast on exactly those tokens (lemon.train.spanmap maps it onto the sampled ids).
+A site whose edit would change nothing is never eligible: duty already the default, capacity already small, and any
+agent that cannot reach `final` (it is not executed, so editing it is a no-op).
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ from lemon.spec import Span, Spec, SpecError, extract_yaml, parse_spec
 
 
 class EditError(ValueError):
-    """An edit that cannot be applied: the site is not eligible, the spec carries no text, or the rewritten text is not the
-    original spec with exactly the family's one change. The trainer counts these (cf/edit_errors) and skips the CF term."""
+    """An edit that cannot be applied: the site is not eligible, the spec carries no text, or the rewritten text is not
+    the original spec with exactly the family's one change. The trainer counts these (cf/edit_errors) and skips the CF
+    term."""
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,20 @@ def eligible_sites(spec: Spec, family: str, prompts: Prompts) -> list[tuple[str,
     dead = set(spec.unreachable())
     return REGISTRY[family].sites(spec, [a for a in spec.agents if a.id not in dead], prompts)
 
-# YAML reads these inside a double-quoted scalar as line breaks (folded) or refuses them outright, and JSON leaves them raw
-_YAML_UNSAFE = re.compile("[^\x09\x0A\x0D\x20-\x7E\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]|[\x85\u2028\u2029\uFEFF]")
+# YAML reads these inside a double-quoted scalar as line breaks (folded) or refuses them outright; JSON leaves them raw
+_YAML_UNSAFE = re.compile("[^\x09\x0A\x0D\x20-\x7E\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]"
+                          "|[\x85\u2028\u2029\uFEFF]")
 
 
 def double_quoted(s: str) -> str:
     """A YAML double-quoted scalar that reads back as exactly `s`, on one line, in any block or flow context."""
     q = json.dumps(s, ensure_ascii=False)
-    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}" if ord(m.group()) < 0x10000 else f"\\U{ord(m.group()):08x}", q)
+    return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}" if ord(m.group()) < 0x10000
+                            else f"\\U{ord(m.group()):08x}", q)
 
 
-# the key written plainly or quoted, then its `:`; anchored at the end of the text before the value (same-line value) or at the
-# start of the key's line (value on later lines, after blank or comment lines)
+# the key written plainly or quoted, then its `:`; anchored at the end of the text before the value (same-line value) or
+# at the start of the key's line (value on later lines, after blank or comment lines)
 _KEY_END = re.compile(r"""(?:depends_on|"depends_on"|'depends_on')[ \t]*:[ \t]*\Z""")
 _KEY_LINE = re.compile(r"""[ \t]*(?:-[ \t]+)*(?:depends_on|"depends_on"|'depends_on')[ \t]*(:)[ \t]*(?:#.*)?\Z""")
 
@@ -73,7 +76,8 @@ _KEY_LINE = re.compile(r"""[ \t]*(?:-[ \t]+)*(?:depends_on|"depends_on"|'depends
 def _key_colon(text: str, value_start: int, agent_index: int) -> int:
     """Index in `text` of the `:` after agent `agent_index`'s `depends_on` key, whose value starts at `value_start`.
     Between a key's `:` and its value YAML allows only blanks, line breaks and comments, so a backward look over those
-    finds it; anything unusual (an explicit `?` key, ...) is read off PyYAML's node tree instead (the key's end mark)."""
+    finds it; anything unusual (an explicit `?` key, ...) is read off PyYAML's node tree instead (the key's end
+    mark)."""
     line_start = text.rfind("\n", 0, value_start) + 1
     m = _KEY_END.search(text, line_start, value_start)
     if m:
@@ -96,7 +100,8 @@ def _key_colon(text: str, value_start: int, agent_index: int) -> int:
     except (yaml.YAMLError, StopIteration, AttributeError, IndexError, ValueError) as e:
         raise EditError(f"agents[{agent_index}]: cannot locate the depends_on key ({type(e).__name__}: {e})") from None
     i = key.end_mark.index
-    while i < len(body) and body[i] in " \t\r\n#":  # blanks and comments may sit between an explicit `?` key and its `:`
+    # blanks and comments may sit between an explicit `?` key and its `:`
+    while i < len(body) and body[i] in " \t\r\n#":
         i = body.find("\n", i) if body[i] == "#" else i + 1
         i = len(body) if i < 0 else i
     if i >= len(body) or body[i] != ":":
@@ -104,7 +109,7 @@ def _key_colon(text: str, value_start: int, agent_index: int) -> int:
     return off + i
 
 
-# ---- the families: one record each (adding a family = one EditFamily in REGISTRY; tests/test_edits.py adds a toy one) ----
+# ---- the families: one record each (adding a family = one EditFamily in REGISTRY; tests/test_edits.py adds one) ---
 @dataclass(frozen=True)
 class EditFamily:
     """One counterfactual edit family: what the trainer, the plots and the spec inspector need to know of it."""
@@ -136,8 +141,8 @@ def _role_sites(spec: Spec, live: list, prompts: Prompts) -> list[tuple[str, ...
     defaults = prompts.roles_for(None)
     missing = sorted({a.base_role for a in live} - set(defaults))
     if missing:  # parsed with a base-role list other than this prompts file's
-        raise EditError(f"base roles {missing} have no default duty in the prompts file {prompts.path or '(packaged)'}; "
-                        "parse the spec with base_roles=prompts.roles_for(domain)")
+        raise EditError(f"base roles {missing} have no default duty in the prompts file "
+                        f"{prompts.path or '(packaged)'}; parse the spec with base_roles=prompts.roles_for(domain)")
     return [(a.id,) for a in live if a.duty != defaults[a.base_role]]
 
 
@@ -181,8 +186,9 @@ FAMILIES = tuple(REGISTRY)  # m_E, m_R, m_L: the order of every table and config
 
 
 def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts) -> Edit:
-    """Apply one edit to a parsed spec (which must carry its text and spans). Raises EditError (a ValueError) when the edit
-    cannot be applied; the returned Edit's spec is proven to equal the original with exactly the family's one change."""
+    """Apply one edit to a parsed spec (which must carry its text and spans). Raises EditError (a ValueError) when the
+    edit cannot be applied; the returned Edit's spec is proven to equal the original with exactly the family's one
+    change."""
     if spec.text is None or spec.spans is None:
         raise EditError("apply_edit needs a spec parsed from text (it edits the text and reports spans in it)")
     if site not in eligible_sites(spec, family, prompts):
@@ -193,12 +199,14 @@ def apply_edit(spec: Spec, family: str, site: tuple[str, ...], prompts: Prompts)
     try:
         edited = parse_spec(text, base_roles=prompts.roles_for(None), max_agents=max(len(spec.agents), 1))
     except SpecError as e:
-        raise EditError(f"{where} gave an invalid spec: {e}. Report the spec text; the edit must keep any parsed spec valid") \
+        raise EditError(f"{where} gave an invalid spec: {e}. Report the spec text; the edit must keep any "
+                        "parsed spec valid") \
             from None
     i = spec.index(site[0])
     expected = spec.agents[:i] + (want,) + spec.agents[i + 1:]
     if edited.agents != expected or edited.final != spec.final:
-        raise EditError(f"{where} changed more than the edited field (re-parsed spec differs elsewhere). Report the spec text")
+        raise EditError(f"{where} changed more than the edited field (re-parsed spec differs elsewhere). Report "
+                        "the spec text")
     return Edit(family, site, span, (r0, r1), text, edited)
 
 
@@ -227,9 +235,9 @@ def sample_edit(spec: Spec, prompts: Prompts, rng: random.Random, family_probs: 
 
 @dataclass
 class FamilySampler:
-    """Adaptive family choice: p(f) = floor + (1 - K*floor) * m_f / sum(m), with m_f the running mean of |delta| over the
-    last `window` edits of family f (a family not yet tried gets `init`). The floor keeps every family explored even when its
-    recent contrasts were zero. State round-trips through state_dict() for checkpoints."""
+    """Adaptive family choice: p(f) = floor + (1 - K*floor) * m_f / sum(m), with m_f the running mean of |delta| over
+    the last `window` edits of family f (a family not yet tried gets `init`). The floor keeps every family explored even
+    when its recent contrasts were zero. State round-trips through state_dict() for checkpoints."""
 
     floor: float = 0.1
     window: int = 50

@@ -1,16 +1,16 @@
-"""The rollout side of one CF-GRPO step: TRL's `rollout_func`. Given the step's prompts (Q questions x G copies, in TRL's
-order), sample G specs per question with the policy, score them, resample groups without reward spread, add the
-counterfactual edits, and hand TRL the token ids; the scored records stay in `self.batch` for the reward functions and the
-advantage computation (lemon.train.grpo).
+"""The rollout side of one CF-GRPO step: TRL's `rollout_func`. Given the step's prompts (Q questions x G copies, in
+TRL's order), sample G specs per question with the policy, score them, resample groups without reward spread, add the
+counterfactual edits, and hand TRL the token ids; the scored records stay in `self.batch` for the reward functions and
+the advantage computation (lemon.train.grpo).
 
-Dynamic sampling (DAPO, Yu et al. 2025, §3.2 "dynamic sampling"): a group whose rewards are all equal gives no global GRPO
-gradient. Such a group is resampled — new specs for the SAME question, up to `resample` more attempts — and the last attempt
-is kept whatever it gave (a group that stays flat still carries its counterfactual terms, which is where CF-GRPO can learn
-when GRPO cannot). The rule depends on rewards only, so CF and global-GRPO runs resample alike.
+Dynamic sampling (DAPO, Yu et al. 2025, §3.2 "dynamic sampling"): a group whose rewards are all equal gives no global
+GRPO gradient. Such a group is resampled — new specs for the SAME question, up to `resample` more attempts — and the
+last attempt is kept whatever it gave (a group that stays flat still carries its counterfactual terms, which is where
+CF-GRPO can learn when GRPO cannot). The rule depends on rewards only, so CF and global-GRPO runs resample alike.
 
-Curriculum (`QuestionLabels`): every scored group labels its question (times seen, whether its rewards had spread, its success
-rate) from executions we pay for anyway; the curriculum sampler of lemon.train.grpo prefers questions that are unseen or had
-spread (some specs solve them and some do not) over ones that every spec solves or fails.
+Curriculum (`QuestionLabels`): every scored group labels its question (times seen, whether its rewards had spread, its
+success rate) from executions we pay for anyway; the curriculum sampler of lemon.train.grpo prefers questions that are
+unseen or had spread (some specs solve them and some do not) over ones that every spec solves or fails.
 """
 from __future__ import annotations
 
@@ -67,15 +67,16 @@ class CurriculumSampler(Sampler):
     times for gradient accumulation), but the questions of each block are drawn by QuestionLabels weights, without
     replacement within the block. Its length is the epoch TRL expects; draws happen lazily as TRL iterates.
 
-    `strata` (one label per example id, e.g. its benchmark = the testbed's task type) stratifies every block: its Q slots go
-    round-robin over the strata, starting one stratum further at each block, so a step with Q >= #strata sees every
-    stratum and consecutive steps cover them all when Q < #strata. Without stratification a step of 2 questions from two
-    task types saw only one type about half the time, and a policy cannot learn to tell types apart from such steps.
-    `weighted=False` draws uniformly (stratification without the curriculum)."""
+    `strata` (one label per example id, e.g. its benchmark = the testbed's task type) stratifies every block: its Q
+    slots go round-robin over the strata, starting one stratum further at each block, so a step with Q >= #strata sees
+    every stratum and consecutive steps cover them all when Q < #strata. Without stratification a step of 2 questions
+    from two task types saw only one type about half the time, and a policy cannot learn to tell types apart from such
+    steps. `weighted=False` draws uniformly (stratification without the curriculum)."""
 
     def __init__(self, example_ids: list[str], labels: QuestionLabels, *, questions: int, generations: int, repeat: int,
                  seed: int, strata: list[str] | None = None, weighted: bool = True):
-        self.ids, self.labels, self.q, self.g, self.repeat, self.seed = example_ids, labels, questions, generations, repeat, seed
+        self.ids, self.labels, self.q, self.g = example_ids, labels, questions, generations
+        self.repeat, self.seed = repeat, seed
         if strata is not None and len(strata) != len(example_ids):
             raise ValueError(f"{len(strata)} strata labels for {len(example_ids)} example ids")
         self.strata, self.weighted = strata, weighted
@@ -106,7 +107,8 @@ class CurriculumSampler(Sampler):
 
 class SpecRollouts:
     """TRL rollout_func: sampling, scoring, dynamic resampling, counterfactuals, rollouts.jsonl. Everything it needs is
-    passed in (scorer, tokenizer, grammar constraint factory); `batch` holds the latest step's records in TRL's order."""
+    passed in (scorer, tokenizer, grammar constraint factory); `batch` holds the latest step's records in TRL's
+    order."""
 
     def __init__(self, scorer: SpecScorer, tokenizer, examples_by_prompt: dict[str, str], *, num_generations: int,
                  temperature: float, max_new_tokens: int, grammars: dict | None = None, grammar_cache=None,
@@ -120,7 +122,8 @@ class SpecRollouts:
         self.grammars, self.grammar_cache = grammars, grammar_cache  # example id -> SpecGrammar; None = unconstrained
         self.resample, self.seed, self.scale_rewards, self.std_floor = resample, seed, scale_rewards, std_floor
         self.rollouts_path, self.labels, self.sample_dtype = rollouts_path, labels or QuestionLabels(), sample_dtype
-        self.curriculum_ids = curriculum_ids  # the dataset's example ids in row order; None = TRL's own shuffled sampler
+        # the dataset's example ids in row order; None = TRL's own shuffled sampler
+        self.curriculum_ids = curriculum_ids
         self.strata, self.weighted = strata, weighted  # CurriculumSampler's stratification and weighting
         self.mask_forced = mask_forced  # grammar-forced tokens get advantage 0 (lemon.train.cf.rollout_advantages)
         self.cf_baseline = cf_baseline  # lemon.train.cf.baselined_deltas
@@ -141,7 +144,8 @@ class SpecRollouts:
         if self.grammars is not None:  # one grammar per prompt: its domain's base roles
             constraint = GrammarConstraint(tuple(self.grammars[e] for e in eids), self.grammar_cache)
         dtype = self.sample_dtype
-        if dtype == "bf16_copy":  # sample a bf16 copy kept in step with the trained (fp32) LoRA weights: lemon.policy.dtype
+        # sample a bf16 copy kept in step with the trained (fp32) LoRA weights: lemon.policy.dtype
+        if dtype == "bf16_copy":
             if self._shadow is None:
                 import torch
                 self._shadow = SamplingCopy(model, torch.bfloat16)

@@ -1,8 +1,8 @@
-"""The reward of one executed spec (paper §3.2: task success + token-efficiency reward - graph-structure cost; an invalid spec
-gets an invalid-rollout penalty), in two forms.
+"""The reward of one executed spec (paper §3.2: task success + token-efficiency reward - graph-structure cost; an
+invalid spec gets an invalid-rollout penalty), in two forms.
 
-    eff = max(0, 1 - worker_tokens / token_budget)          worker_tokens = the spec's NOMINAL tokens (no cache discount)
-    g   = graph_cost(spec) in [0, 1]                         agents, edges and unreachable agents, normalised by max_agents
+    eff = max(0, 1 - worker_tokens / token_budget)    worker_tokens = the spec's NOMINAL tokens (no cache discount)
+    g   = graph_cost(spec) in [0, 1]                   agents, edges and unreachable agents, normalised by max_agents
 
 | case                                         | form="gated" (default)            | form="paper"                  |
 |----------------------------------------------|-----------------------------------|-------------------------------|
@@ -12,15 +12,16 @@ gets an invalid-rollout penalty), in two forms.
 | valid, right answer (s = 1)                  | w_s + w_t * eff - w_g * g         | w_s + w_t * eff - w_g * g     |
 | valid, partial score s in (0, 1)             | s * (w_s + w_t * eff - w_g * g)   | w_s * s + w_t * eff - w_g * g |
 
-Why "gated": with small workers most rollouts fail, and in the paper form a cheap failing spec out-scores an expensive failing
-one, so a group with no success pulls the policy toward the cheapest (usually the most hopeless) spec. Gating the cost terms by
-success keeps them as what they are meant to be, a tie-break among specs that work; a group with no success then has zero
-spread and gives no global gradient (lemon.train.grpo resamples or skips it). Both forms keep the required order:
-a failing rollout never out-scores a succeeding one (checked in __post_init__: w_s - w_g > w_t covers the paper form's worst
-case, a free failing spec vs the most expensive success) and an invalid spec scores below every valid one.
+Why "gated": with small workers most rollouts fail, and in the paper form a cheap failing spec out-scores an expensive
+failing one, so a group with no success pulls the policy toward the cheapest (usually the most hopeless) spec. Gating
+the cost terms by success keeps them as what they are meant to be, a tie-break among specs that work; a group with no
+success then has zero spread and gives no global gradient (lemon.train.grpo resamples or skips it). Both forms keep the
+required order: a failing rollout never out-scores a succeeding one (checked in __post_init__: w_s - w_g > w_t covers
+the paper form's worst case, a free failing spec vs the most expensive success) and an invalid spec scores below every
+valid one.
 
-An errored execution (RewardBreakdown.errored) is a fact about the worker, not the spec: the trainer leaves it out of its
-group's statistics and the loss and never computes a counterfactual delta against it (lemon.train.grpo).
+An errored execution (RewardBreakdown.errored) is a fact about the worker, not the spec: the trainer leaves it out of
+its group's statistics and the loss and never computes a counterfactual delta against it (lemon.train.grpo).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class RewardConfig:
     w_graph: float = 0.1
     """Weight of the graph-structure cost."""
     token_budget: int = 3000
-    """Nominal worker tokens at which token efficiency reaches 0 (size it from the preset: lemon.train.config.size_budgets)."""
+    """Nominal worker tokens at which token efficiency reaches 0 (size it from the preset:
+    lemon.train.config.size_budgets)."""
     r_invalid: float = -1.0
     """Reward of a spec that fails schema checks (below every valid spec)."""
     agent_cost: float = 1.0
@@ -54,8 +56,8 @@ class RewardConfig:
     unreachable_cost: float = 1.0
     """Extra graph cost per agent that cannot reach final (pure waste)."""
     max_agents: int = MAX_AGENTS
-    """Normalises graph cost: a complete DAG of this many agents, all unreachable but one, costs 1. Set it to the training
-    max_agents, or every allowed spec looks cheap."""
+    """Normalises graph cost: a complete DAG of this many agents, all unreachable but one, costs 1. Set it to the
+    training max_agents, or every allowed spec looks cheap."""
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -67,12 +69,13 @@ class RewardConfig:
         if not 1 <= self.max_agents <= MAX_AGENTS:
             raise ValueError(f"max_agents={self.max_agents} must be in 1..{MAX_AGENTS}")
         if self.w_success - self.w_graph <= self.w_tokens:
-            raise ValueError(f"w_success - w_graph = {self.w_success - self.w_graph:g} must exceed w_tokens = {self.w_tokens:g}: "
-                             "otherwise a free failing spec could out-score the most expensive success")
+            raise ValueError(f"w_success - w_graph = {self.w_success - self.w_graph:g} must exceed w_tokens = "
+                             f"{self.w_tokens:g}: otherwise a free failing spec could out-score the most "
+                             "expensive success")
         lowest_valid = 0.0 if self.form == "gated" else -self.w_graph
         if self.r_invalid >= lowest_valid:
-            raise ValueError(f"r_invalid={self.r_invalid} must be < {lowest_valid} (the worst valid {self.form} reward): an "
-                             "invalid spec may never score as well as a valid one")
+            raise ValueError(f"r_invalid={self.r_invalid} must be < {lowest_valid} (the worst valid {self.form} "
+                             "reward): an invalid spec may never score as well as a valid one")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Scoring rollouts for CF-GRPO: parse each sampled spec, execute it, reward it, and (lambda > 0) execute one counterfactual
-edit of it (paper §3.3) — concurrently, deterministically, and without letting one bad rollout kill a training step.
+"""Scoring rollouts for CF-GRPO: parse each sampled spec, execute it, reward it, and (lambda > 0) execute one
+counterfactual edit of it (paper §3.3) — concurrently, deterministically, and without letting one bad rollout kill a
+training step.
 
 What can go wrong with one rollout, and what happens (each is counted in the step's metrics by lemon.train.grpo):
 | event                                         | rollout                     | counterfactual                      |
@@ -13,7 +14,8 @@ What can go wrong with one rollout, and what happens (each is counted in the ste
 |                                               |                             | against an errored execution        |
 | the edited span maps onto no sampled token    | scored                      | none ("span_dropped:<reason>")      |
 | otherwise                                     | scored                      | delta = r(y) - r(y'), "ok"          |
-A dead backend (BackendUnavailableError) is not a rollout's fault: it propagates and stops the step (resume from checkpoint).
+A dead backend (BackendUnavailableError) is not a rollout's fault: it propagates and stops the step (resume from
+checkpoint).
 
 Determinism under concurrency: the edit of rollout i is chosen with its own RNG seeded by (run seed, step, i), and the
 adaptive family sampler is read once per batch and updated in rollout order after it, so thread timing changes nothing.
@@ -65,9 +67,9 @@ class Rollout:
 
     def to_row(self, step: int) -> dict:
         """The rollouts.jsonl record (one per sampled completion)."""
-        return {"step": step, "example_id": self.example_id, "group": self.group, "attempt": self.attempt, "text": self.text,
-                "valid": self.valid, "error": self.error, "errored": self.errored, "reward": self.total,
-                "success": self.reward.success, "token_efficiency": self.reward.token_efficiency,
+        return {"step": step, "example_id": self.example_id, "group": self.group, "attempt": self.attempt,
+                "text": self.text, "valid": self.valid, "error": self.error, "errored": self.errored,
+                "reward": self.total, "success": self.reward.success, "token_efficiency": self.reward.token_efficiency,
                 "graph_cost": self.reward.graph_cost, "worker_tokens": self.reward.worker_tokens, "agents": self.agents,
                 "edges": self.edges, "family": self.family, "delta": self.delta, "cf_status": self.cf_status,
                 "span_tokens": len(self.span_positions)}
@@ -78,8 +80,8 @@ def edit_seed(seed: int, step: int, index: int) -> int:
 
 
 class SpecScorer:
-    """Parses, executes and rewards rollouts and their counterfactual edits. Pool, prompts, cache and sampler are passed in;
-    `concurrency` executions run at once (the executor bounds each backend by its own max_concurrency)."""
+    """Parses, executes and rewards rollouts and their counterfactual edits. Pool, prompts, cache and sampler are passed
+    in; `concurrency` executions run at once (the executor bounds each backend by its own max_concurrency)."""
 
     def __init__(self, pool, prompts, examples: dict, benchmarks: dict, *, reward: RewardConfig, caps: ExecutorCaps,
                  cache: NodeCache, sampler: FamilySampler, cf_lambda: float, families=FAMILIES, max_agents: int = 8,
@@ -88,10 +90,11 @@ class SpecScorer:
         self.reward_cfg, self.caps, self.cache, self.sampler = reward, caps, cache, sampler
         self.cf_lambda, self.families, self.max_agents, self.seed = cf_lambda, tuple(families), max_agents, seed
         self.concurrency = max(1, int(concurrency))
-        # False: every execution runs with the run seed (the node cache then reuses work across steps). Greedy llama-server
-        # workers are NOT deterministic under batching (11 of 20 repeats flipped at 8 in flight, bench/flip_rate.py): the
-        # pool must come from TrainConfig.deterministic_workers for a reward not to depend on what else is in flight. True: a fresh worker seed per step, so a simulated (or sampling) worker cannot
-        # hand a spec the same lucky draw at every step; a counterfactual always uses its own step's seed.
+        # False: every execution runs with the run seed (the node cache then reuses work across steps). Greedy
+        # llama-server workers are NOT deterministic under batching (11 of 20 repeats flipped at 8 in flight,
+        # bench/flip_rate.py): the pool must come from TrainConfig.deterministic_workers for a reward not to depend on
+        # what else is in flight. True: a fresh worker seed per step, so a simulated (or sampling) worker cannot hand a
+        # spec the same lucky draw at every step; a counterfactual always uses its own step's seed.
         self.worker_seed_per_step = worker_seed_per_step
 
     def exec_seed(self, step: int) -> int:
@@ -100,7 +103,8 @@ class SpecScorer:
     def _map(self, fn, items):
         if self.concurrency == 1 or len(items) <= 1:
             return [fn(x) for x in items]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items)), thread_name_prefix="lemon-rollout") as tp:
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items)),
+                                thread_name_prefix="lemon-rollout") as tp:
             return list(tp.map(fn, items))  # map keeps the input order; an exception propagates
 
     def _execute(self, spec, ex, step: int):
@@ -134,7 +138,8 @@ class SpecScorer:
             return
         probs = self.sampler.probs()  # frozen for the whole batch: thread timing cannot change a choice
         todo = [(i, r) for i, r in enumerate(rollouts) if r.valid and not r.errored]
-        self._map(lambda ir: self._cf_one(ir[1], probs, random.Random(edit_seed(self.seed, step, ir[0])), decode, step), todo)
+        self._map(lambda ir: self._cf_one(ir[1], probs, random.Random(edit_seed(self.seed, step, ir[0])), decode, step),
+                  todo)
         for _, r in todo:
             if r.cf_status == "ok":
                 self.sampler.update(r.family, r.delta)

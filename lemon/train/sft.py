@@ -1,12 +1,12 @@
 """Stage 1 of the paper: SFT warm start on valid specs, built by rejection sampling (paper §3.3: "SFT on valid specs").
 
 Candidates per training question come from (a) the prompted orchestrator (a worker model writing a spec, JSON-schema
-constrained where the backend allows) and (b) mutated baseline specs (random topology, capacities and task-flavoured duties
-from the prompts file's `duty_variants`). With `filter_by_execution`, every candidate is executed and only specs that solved
-their question are kept, the cheapest (fewest nominal worker tokens) first; without it (smoke runs) the corpus only teaches the
-format. Targets are always canonical(spec).to_yaml() (lemon.spec.schema.canonical): the exact language of the spec grammar
-the trainer samples under (ids a1..an, quoted role and duty, final = the last agent), so the warm-started policy's format and
-the constrained rollouts agree.
+constrained where the backend allows) and (b) mutated baseline specs (random topology, capacities and task-flavoured
+duties from the prompts file's `duty_variants`). With `filter_by_execution`, every candidate is executed and only specs
+that solved their question are kept, the cheapest (fewest nominal worker tokens) first; without it (smoke runs) the
+corpus only teaches the format. Targets are always canonical(spec).to_yaml() (lemon.spec.schema.canonical): the exact
+language of the spec grammar the trainer samples under (ids a1..an, quoted role and duty, final = the last agent), so
+the warm-started policy's format and the constrained rollouts agree.
 """
 from __future__ import annotations
 
@@ -88,8 +88,9 @@ def mutated_baseline(domain: str, question: str, prompts: Prompts, rng: random.R
     return parse_spec(spec.to_yaml(), base_roles=prompts.roles_for(domain))
 
 
-def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *, pool=None, caps: ExecutorCaps | None = None,
-                 cache: NodeCache | None = None, progress: bool = True) -> tuple[list[dict], dict]:
+def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *, pool=None,
+                 caps: ExecutorCaps | None = None, cache: NodeCache | None = None,
+                 progress: bool = True) -> tuple[list[dict], dict]:
     """Rows {"prompt": messages, "completion": [assistant message], "example_id", "tokens"} and stats
     (candidates, valid, executed, solved, kept, orchestrator_valid)."""
     if (cfg.filter_by_execution or cfg.use_orchestrator) and pool is None:
@@ -104,7 +105,8 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
         cands = []
         if cfg.use_orchestrator:
             prop = propose_spec(pool, ex.question, bench.domain, prompts,
-                                OrchestratorConfig(capacity=cfg.orchestrator_capacity, max_agents=cfg.max_agents), seed=cfg.seed)
+                                OrchestratorConfig(capacity=cfg.orchestrator_capacity, max_agents=cfg.max_agents),
+                                seed=cfg.seed)
             stats["orchestrator_valid"] += prop.spec is not None
             cands += [prop.spec] if prop.spec is not None else []
         cands += [mutated_baseline(bench.domain, ex.question, prompts, rng, cfg.max_agents)
@@ -135,13 +137,15 @@ def build_corpus(examples, benchmarks: dict, prompts: Prompts, cfg: SFTConfig, *
 
 
 def run_sft(model, tokenizer, rows: list[dict], cfg: SFTConfig, out: Path, *, progress: bool = True) -> dict:
-    """LoRA SFT with TRL's SFTTrainer on prompt/completion rows (loss on the spec tokens only). Saves the adapter in out."""
+    """LoRA SFT with TRL's SFTTrainer on prompt/completion rows (loss on the spec tokens only). Saves the adapter in
+    out."""
     import torch
     from datasets import Dataset
     from trl import SFTConfig as TRLSFTConfig, SFTTrainer
     if not rows:
-        raise ValueError("empty SFT corpus: no candidate spec solved its question; raise candidates_per_question, use more "
-                         "questions, or set filter_by_execution=False to train on the format alone")
+        raise ValueError("empty SFT corpus: no candidate spec solved its question; raise "
+                         "candidates_per_question, use more questions, or set filter_by_execution=False to train on "
+                         "the format alone")
     cuda = torch.cuda.is_available()
     checkpointing = cuda if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
     args = TRLSFTConfig(output_dir=str(out / "sft_ckpt"), num_train_epochs=cfg.epochs, learning_rate=cfg.learning_rate,

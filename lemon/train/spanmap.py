@@ -1,16 +1,17 @@
-"""Span -> token mapping for the counterfactual term (paper §3.3: the contrast is applied to the edited span only; here S_i is
-the set of SAMPLED token positions of the edited field's value, and the text is never re-tokenised).
+"""Span -> token mapping for the counterfactual term (paper §3.3: the contrast is applied to the edited span only; here
+S_i is the set of SAMPLED token positions of the edited field's value, and the text is never re-tokenised).
 
 Three steps, all here:
-1. align the completion text the reward function saw with decode(ids): TRL may prepend a bootstrap prefix to the text, and its
-   `parse_response` path may strip whitespace or a trailing EOS from it, so the text can be longer OR shorter than the ids'
-   decoding (`align`);
-2. give every token the characters of decode(ids) it holds, by incremental decoding, O(T) decode calls (`token_char_offsets`).
-   A byte-level BPE (Qwen2.5, SmolLM2) splits a multi-byte character over several tokens; every token holding one of its bytes
-   covers that character, so a token holding only leading bytes is never left out of a span;
+1. align the completion text the reward function saw with decode(ids): TRL may prepend a bootstrap prefix to the text,
+   and its `parse_response` path may strip whitespace or a trailing EOS from it, so the text can be longer OR shorter
+   than the ids' decoding (`align`);
+2. give every token the characters of decode(ids) it holds, by incremental decoding, O(T) decode calls
+   (`token_char_offsets`). A byte-level BPE (Qwen2.5, SmolLM2) splits a multi-byte character over several tokens; every
+   token holding one of its bytes covers that character, so a token holding only leading bytes is never left out of a
+   span;
 3. select the tokens whose characters overlap the span (`span_token_mask`).
-`span_positions` runs the three and returns a SpanMap whose `dropped` names why nothing could be mapped (logged as cf/dropped),
-so a lost counterfactual term is counted, never silent.
+`span_positions` runs the three and returns a SpanMap whose `dropped` names why nothing could be mapped (logged as
+cf/dropped), so a lost counterfactual term is counted, never silent.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ Decode = Callable[[list[int]], str]
 # stable reasons for SpanMap.dropped (the trainer counts them)
 TEXT_MISMATCH = "text_mismatch"  # the completion text and decode(ids) share no stretch that holds the span
 SPAN_OUTSIDE = "span_outside_ids"  # the span lies (partly) in text the ids did not produce (e.g. a prepended prefix)
-DECODE_INCONSISTENT = "decode_inconsistent"  # decoding a prefix of ids is not a prefix of decode(ids) (beyond a split char)
+# decoding a prefix of ids is not a prefix of decode(ids) (beyond a split char)
+DECODE_INCONSISTENT = "decode_inconsistent"
 EMPTY_SPAN = "empty_span"
 NO_TOKENS = "no_tokens"  # no sampled token holds a character of the span
-_MAX_PARTIAL = 3  # a UTF-8 character has at most 3 bytes after its first: at most 3 replacement characters while unfinished
+# a UTF-8 character has at most 3 bytes after its first: at most 3 replacement characters while unfinished
+_MAX_PARTIAL = 3
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,10 @@ class SpanMap:
 
 def align(text: str, full: str) -> int | None:
     """Shift k such that text[i + k] == full[i] over the part the two strings share, or None. Tried in order: equal; a
-    prefix prepended to the text (TRL's bootstrap); the text cut at the end (stripped EOS/whitespace) or at the start; the
-    text inside the decoding or the decoding inside the text; the same on both stripped of whitespace; else the longest
-    common stretch if it is at least half the shorter string (callers check that it holds the span). The preferred
-    placement comes first, so a repeated substring never picks an arbitrary occurrence."""
+    prefix prepended to the text (TRL's bootstrap); the text cut at the end (stripped EOS/whitespace) or at the start;
+    the text inside the decoding or the decoding inside the text; the same on both stripped of whitespace; else the
+    longest common stretch if it is at least half the shorter string (callers check that it holds the span). The
+    preferred placement comes first, so a repeated substring never picks an arbitrary occurrence."""
     if text == full:
         return 0
     if text.endswith(full):
@@ -67,9 +70,9 @@ def align(text: str, full: str) -> int | None:
 
 def _prefix_lengths(ids: Sequence[int], decode: Decode, full: str, stop: int | None = None):
     """Yield, per token t, (c_t, partial_t, p_t): p_t = decode(ids[:t+1]), c_t = characters of `full` it reproduces,
-    partial_t = whether it also holds bytes of the NEXT character (an unfinished multi-byte character decodes to U+FFFD).
-    Raises ValueError when a prefix's decoding departs from `full` by more than an unfinished character. Stops once
-    c_t >= stop (the tokens after a span do not matter)."""
+    partial_t = whether it also holds bytes of the NEXT character (an unfinished multi-byte character decodes to
+    U+FFFD). Raises ValueError when a prefix's decoding departs from `full` by more than an unfinished character. Stops
+    once c_t >= stop (the tokens after a span do not matter)."""
     ids = list(ids)
     for t in range(len(ids)):
         p = decode(ids[: t + 1])  # one call per token: O(T) calls
@@ -94,13 +97,14 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-def token_char_offsets(ids: Sequence[int], decode: Decode, full: str | None = None, stop: int | None = None) -> list[Span]:
-    """[start, end) characters of decode(ids) held by each sampled token (incremental decoding, one decode call per token).
-    With c_t the complete characters after token t, token t holds the bytes from character c_{t-1} (the one it starts or
-    continues) to character c_t - 1, or to c_t when it ends inside a multi-byte character: range [c_{t-1}, c_t + partial_t).
-    So every token holding a byte of a character covers it (neighbours then share that character), and only a token that
-    decodes to nothing (a skipped special token) gets an empty range. With `stop`, offsets end at the first token reaching
-    character `stop`."""
+def token_char_offsets(ids: Sequence[int], decode: Decode, full: str | None = None,
+                       stop: int | None = None) -> list[Span]:
+    """[start, end) characters of decode(ids) held by each sampled token (incremental decoding, one decode call per
+    token). With c_t the complete characters after token t, token t holds the bytes from character c_{t-1} (the one it
+    starts or continues) to character c_t - 1, or to c_t when it ends inside a multi-byte character: range [c_{t-1},
+    c_t + partial_t). So every token holding a byte of a character covers it (neighbours then share that character), and
+    only a token that decodes to nothing (a skipped special token) gets an empty range. With `stop`, offsets end at the
+    first token reaching character `stop`."""
     full = decode(list(ids)) if full is None else full
     out, prev_c, prev_p = [], 0, ""
     for c, partial, p in _prefix_lengths(ids, decode, full, stop):
@@ -118,9 +122,9 @@ def span_token_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> list[bool
 
 
 def span_positions(ids: Sequence[int], decode: Decode, text: str, span: Span) -> SpanMap:
-    """The sampled token positions holding `text[span[0]:span[1]]`, where `text` is the completion text the edit was made on
-    and `ids` the sampled completion ids (decoded by `decode` exactly as the trainer decodes them). Never raises on
-    mismatched inputs: a SpanMap with empty positions and a `dropped` reason comes back instead."""
+    """The sampled token positions holding `text[span[0]:span[1]]`, where `text` is the completion text the edit was
+    made on and `ids` the sampled completion ids (decoded by `decode` exactly as the trainer decodes them). Never raises
+    on mismatched inputs: a SpanMap with empty positions and a `dropped` reason comes back instead."""
     s, e = span
     if not 0 <= s < e <= len(text):
         return SpanMap((), EMPTY_SPAN, 0, f"span {span} in a text of {len(text)} characters")
@@ -128,7 +132,8 @@ def span_positions(ids: Sequence[int], decode: Decode, text: str, span: Span) ->
     full = decode(ids)
     k = align(text, full)
     if k is None:
-        return SpanMap((), TEXT_MISMATCH, 0, f"text ({len(text)} chars) and decode(ids) ({len(full)} chars) share nothing")
+        return SpanMap((), TEXT_MISMATCH, 0,
+                       f"text ({len(text)} chars) and decode(ids) ({len(full)} chars) share nothing")
     fs, fe = s - k, e - k  # the span in decode(ids) coordinates
     if fs < 0 or fe > len(full) or full[fs:fe] != text[s:e]:
         reason = SPAN_OUTSIDE if (fs < 0 or fe > len(full)) else TEXT_MISMATCH
