@@ -5,14 +5,16 @@ The paper's edits only take away (drop an edge, roll a duty back to its default,
 the CF contrast, r(edit(y)), depends on the action the policy took: its expectation is not 0 and the term is not an
 unbiased piece of the policy gradient of E[r]. At a field with value v it raises pi(v) in proportion to
 Q(v) - Q(lower(v)), which favours values whose edit HURTS most, not values that score best. Its pull on a whole spec is
-measured here by the mean contrast E_edit[delta(y)] (family uniform among those with an eligible site, then a site uniform:
-lemon.train.edits.sample_edit at the sampler's uniform start) and the proxy J_lambda(y) = r(y) + lambda * E_edit[delta(y)].
+measured here by the mean contrast E_edit[delta(y)] (family uniform among those with an eligible site, then a site
+uniform: lemon.train.edits.sample_edit at the sampler's uniform start) and the proxy
+J_lambda(y) = r(y) + lambda * E_edit[delta(y)].
 
 Over every structure of the world's optimum search (lemon.testbed.search.structures, with each duty customised or
 default) the script prints the best specs by r and by J_lambda, and where a run folder is given, scores the greedy
 held-out specs of its runs the same way.
 
-  .venv/bin/python experiments/cf_objective.py --world tiny [--lam 1] [--runs outputs/reference/testbed-pilot-20261207/tiny]
+  .venv/bin/python experiments/cf_objective.py --world tiny [--lam 1]
+      [--runs outputs/reference/testbed-pilot-20261207/tiny]
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def test_batched_gradient_is_the_per_sequence_gradient():
     items = []
     for k, (q, L) in enumerate([(0, 5), (1, 9), (0, 2), (1, 7)]):  # different lengths: padding matters
         ids = torch.randint(0, V, (L,), generator=rng).tolist()
-        masks = torch.randint(-2 ** 31, 2 ** 31 - 1, (L, (V + 31) // 32), generator=rng, dtype=torch.int64).to(torch.int32)
+        masks = torch.randint(-2 ** 31, 2 ** 31 - 1, (L, (V + 31) // 32), generator=rng,
+                              dtype=torch.int64).to(torch.int32)
         for t, y in enumerate(ids):  # the sampled token is always allowed
             masks[t, y // 32] |= torch.tensor(1 << (y % 32), dtype=torch.int64).to(torch.int32)
         s = SimpleNamespace(token_ids=tuple(ids), allowed_masks=masks)

@@ -1,19 +1,20 @@
 """The learning test at CI size (issue 28): CF-GRPO training improves a policy on a world whose optimum is known.
 
 Everything but the policy's size is what `lemon train` runs: the real prompts, spec grammar (llguidance), parser, edit
-families, span mapping, TRL GRPOTrainer with the CF mixin and its loss. The policy is a randomly initialised 2-layer Qwen2
-with the testbed's 2,048-token BPE (lemon.testbed.vocab; with SmolLM2's 49k tokenizer the test took ~4x longer); the
-workers are the duty world's simulation, and every rollout and counterfactual is rewarded with its EXACT expected reward (lemon.testbed.exact), so the only noise left is
-the policy's own sampling. The measure is deterministic: the exact expected reward of the GREEDY specs on held-out questions,
-before training and after.
+families, span mapping, TRL GRPOTrainer with the CF mixin and its loss. The policy is a randomly initialised 2-layer
+Qwen2 with the testbed's 2,048-token BPE (lemon.testbed.vocab; with SmolLM2's 49k tokenizer the test took ~4x longer);
+the workers are the duty world's simulation, and every rollout and counterfactual is rewarded with its EXACT expected
+reward (lemon.testbed.exact), so the only noise left is the policy's own sampling. The measure is deterministic: the
+exact expected reward of the GREEDY specs on held-out questions, before training and after.
 
-Sabotage check (issue 28: the test must fail when the advantage is zeroed or its sign flipped). LEMON_TEST_SABOTAGE=zero or
-=flip multiplies the advantages the trainer hands to TRL's loss by 0 or -1 (the one place lemon.train.grpo computes them):
+Sabotage check (issue 28: the test must fail when the advantage is zeroed or its sign flipped). LEMON_TEST_SABOTAGE=zero
+or =flip multiplies the advantages the trainer hands to TRL's loss by 0 or -1 (the one place lemon.train.grpo computes
+them):
     LEMON_TEST_SABOTAGE=flip .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_learning_tiny.py
-Both fail (LOG.md 2026-12-07: +0.000 and -0.014). The 135M version of this test (tests/test_testbed_learning.py, ~34 min) is `-m long`.
+Both fail (LOG.md 2026-12-07: +0.000 and -0.014). The 135M version of this test
+(tests/test_testbed_learning.py, ~34 min) is `-m long`.
 """
 import os
-from dataclasses import replace
 
 import pytest
 
@@ -71,6 +72,7 @@ def test_cf_grpo_improves_a_tiny_policy_on_the_testbed(tmp_path, monkeypatch):
     print(held.to_string(), samples.to_string(), sep="\n")
     assert list(held.index) == [0, STEPS] and (held["valid"] == 1.0).all()  # grammar-constrained greedy specs
     gain = held.loc[STEPS, "expected_reward"] - held.loc[0, "expected_reward"]
-    assert gain >= MIN_GAIN, f"held-out greedy expected reward rose by {gain:+.3f} in {STEPS} steps (want >= {MIN_GAIN})"
+    assert gain >= MIN_GAIN, (f"held-out greedy expected reward rose by {gain:+.3f} in {STEPS} steps "
+                              f"(want >= {MIN_GAIN})")
     assert held.loc[STEPS, "regret"] < held.loc[0, "regret"]
     assert len(samples) == STEPS and (samples["n"] == OVERRIDES["batch_size"]).all()

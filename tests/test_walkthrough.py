@@ -1,5 +1,6 @@
-"""lemon.testbed.walkthrough (the method notebook's functions): the advantages are the trainer's, forced tokens carry none,
-the CF part sits on S_i only, the re-drawn edit is the one the scorer applied, and one step moves only the LoRA weights."""
+"""lemon.testbed.walkthrough (the method notebook's functions): the advantages are the trainer's, forced tokens carry
+none, the CF part sits on S_i only, the re-drawn edit is the one the scorer applied, and one step moves only the LoRA
+weights."""
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +32,8 @@ def test_scores_and_edits_are_the_scorers(step0):
         # the re-drawn edit maps onto exactly the tokens the scorer put the contrast on
         m = span_positions(list(r.ids), lambda ids: tok.decode(list(ids), skip_special_tokens=True), r.text, e.span)
         assert tuple(m.positions) == r.span_positions and e.family == r.family
-    assert cf["reward(y')"].dropna().tolist() == pytest.approx([r.total - r.delta for r in batch.recs if r.delta is not None])
+    assert cf["reward(y')"].dropna().tolist() == pytest.approx([r.total - r.delta for r in batch.recs
+                                                                if r.delta is not None])
 
 
 def test_advantages_split_and_forced_zero(step0):

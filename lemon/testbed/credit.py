@@ -1,15 +1,15 @@
 """A seedless measurement of credit assignment: how well does each policy-gradient estimator point where the expected
 reward rises, per unit of budget? (No training run, so no seed-to-seed noise: one fixed policy checkpoint, many draws.)
 
-The target. The sampler draws a spec y from q(y | x), the policy's softmax renormalised over the tokens the grammar allows
-(lemon.policy.rollout). The objective is J = mean over the measured questions x of E_q[R(x, y)], with R the world's EXACT
-expected reward (lemon.testbed.world: no outcome noise). Its gradient in the LoRA weights is
+The target. The sampler draws a spec y from q(y | x), the policy's softmax renormalised over the tokens the grammar
+allows (lemon.policy.rollout). The objective is J = mean over the measured questions x of E_q[R(x, y)], with R the
+world's EXACT expected reward (lemon.testbed.world: no outcome noise). Its gradient in the LoRA weights is
         grad J = mean_x E_q[(R(x, y) - b_x) grad log q(y | x)],     log q(y | x) = sum_t masked log-prob of y_t,
 estimated with N samples per question (leave-one-out baseline b: unbiased) in two independent halves; the halves' cosine
 says how well the reference itself is known (the issue asks >= 0.9).
 
-The estimators, each computed from fresh draws exactly as the trainer weights tokens (lemon.train.cf.rollout_advantages with
-scale 'none', the unmasked log-probs TRL uses, forced-token masking as TrainConfig.mask_forced_tokens):
+The estimators, each computed from fresh draws exactly as the trainer weights tokens (lemon.train.cf.rollout_advantages
+with scale 'none', the unmasked log-probs TRL uses, forced-token masking as TrainConfig.mask_forced_tokens):
   grpo@G    G specs per question, A_i = r_i - mean_group r on every completion token;
   cf@G      the same G specs plus one counterfactual edit each (the trainer's own edit sampler and span mapping):
             + lambda * delta_i on the edited span's tokens. Same policy samples as grpo@G;
@@ -67,8 +67,8 @@ class CreditConfig:
 
 
 class Measure:
-    """Policy, world, questions and the trainer's scoring of one checkpoint: draws samples, scores them exactly, and turns
-    weighted token log-probs into flat LoRA gradients."""
+    """Policy, world, questions and the trainer's scoring of one checkpoint: draws samples, scores them exactly, and
+    turns weighted token log-probs into flat LoRA gradients."""
 
     def __init__(self, model, tok, world, examples, prompts, train_cfg, caps, cfg: CreditConfig):
         self.model, self.tok, self.world, self.examples, self.prompts = model, tok, world, list(examples), prompts
@@ -80,7 +80,8 @@ class Measure:
                                                         return_dict=True)["input_ids"]) for m in self.msgs]
 
     def scorer(self) -> ExactScorer:
-        """A fresh exact scorer with the trainer's settings and a fresh (uniform) family sampler: draws stay independent."""
+        """A fresh exact scorer with the trainer's settings and a fresh (uniform) family sampler: draws stay
+        independent."""
         benches = {b: B.get_benchmark(b) for b in B.BENCHMARKS}
         return ExactScorer(self.world.pool(), self.prompts, {e.id: e for e in self.examples}, benches,
                            reward=self.tcfg.reward, caps=self.caps, cache=NodeCache(),
@@ -181,8 +182,8 @@ class Measure:
         return out
 
     def _weighted(self, samples, recs, lam: float, masked: bool = False):
-        """(q, sample, per-token weights, unmasked) items: the trainer's (B, T) advantages (lemon.train.cf), forced tokens
-        zeroed when cfg.mask_forced."""
+        """(q, sample, per-token weights, unmasked) items: the trainer's (B, T) advantages (lemon.train.cf), forced
+        tokens zeroed when cfg.mask_forced."""
         import torch
         T = max(len(s.token_ids) for s in samples)
         cmask = torch.tensor([[1] * len(s.token_ids) + [0] * (T - len(s.token_ids)) for s in samples])  # (B, T)
@@ -193,9 +194,9 @@ class Measure:
 
 def corrected_cosine(est: np.ndarray, h1: np.ndarray, h2: np.ndarray) -> float:
     """cos(est, grad J) with the reference's own noise taken out: est . (h1 + h2) / 2 is unbiased for est . grad J and
-    h1 . h2 for |grad J|^2 (the halves are independent), so their ratio is consistent where the plain cosine with a noisy
-    reference is shrunk toward 0 (Spearman's correction for attenuation, in vector form). NaN when h1 . h2 <= 0 (the
-    reference has no measurable direction)."""
+    h1 . h2 for |grad J|^2 (the halves are independent), so their ratio is consistent where the plain cosine with a
+    noisy reference is shrunk toward 0 (Spearman's correction for attenuation, in vector form). NaN when h1 . h2 <= 0
+    (the reference has no measurable direction)."""
     g2 = float(h1 @ h2)
     ne = np.linalg.norm(est)
     return float("nan") if g2 <= 0 else 0.0 if ne == 0 else float(est @ ((h1 + h2) / 2) / (ne * g2 ** 0.5))

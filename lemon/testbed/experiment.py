@@ -1,13 +1,14 @@
-"""The testbed comparison (issue 13): CF-GRPO vs global GRPO (lambda = 0) vs each single edit family, several seeds, the same
-budget, on a SIMULATED world (lemon.testbed.world) whose optimum is known, so every sampled spec has an exact expected
-reward and regret.
+"""The testbed comparison (issue 13): CF-GRPO vs global GRPO (lambda = 0) vs each single edit family, several seeds, the
+same budget, on a SIMULATED world (lemon.testbed.world) whose optimum is known, so every sampled spec has an exact
+expected reward and regret.
 
 Layout of an experiment folder:  <root>/experiment.json (config, world, optimum per type)
                                   <root>/<arm>/seed-<s>/ (the trainer's run folder + run.json + heldout.jsonl)
 The one call into the trainer is `run_arm`. Everything after it reads files: the trainer's `rollouts.jsonl` (one row per
-sampled spec: step, example_id, text, valid, reward, family, delta, ...), re-scored here from the TEXT with the world's exact
-expected reward, and `heldout.jsonl` (greedy specs on held-out questions every `eval_every` steps). The statistics over
-those samples live in lemon.testbed.stats, so the aggregation is testable on hand-written files (tests/test_testbed.py).
+sampled spec: step, example_id, text, valid, reward, family, delta, ...), re-scored here from the TEXT with the world's
+exact expected reward, and `heldout.jsonl` (greedy specs on held-out questions every `eval_every` steps). The statistics
+over those samples live in lemon.testbed.stats, so the aggregation is testable on hand-written files
+(tests/test_testbed.py).
 """
 from __future__ import annotations
 
@@ -42,15 +43,15 @@ ARMS: Mapping[str, dict] = {"cf": {"cf_lambda": 1.0, "cf_families": FAMILIES}, "
                             # cf with the contrast baselined per family (lemon.train.cf.baselined_deltas): an extension
                             "cf-base": {"cf_lambda": 1.0, "cf_families": FAMILIES, "cf_baseline": "family"},
                             **{f: {"cf_lambda": 1.0, "cf_families": (f,)} for f in FAMILIES}}
-# global GRPO at EQUAL EXECUTIONS: cf runs G rollouts + G edits per question, so this arm samples 2G rollouts per question
-# (the same questions per step; group size and batch doubled after every override)
+# global GRPO at EQUAL EXECUTIONS: cf runs G rollouts + G edits per question, so this arm samples 2G rollouts per
+# question (the same questions per step; group size and batch doubled after every override)
 GROUP_FACTOR: Mapping[str, int] = {"global-2x": 2}
 # world name -> builder: which spec field carries the reward (lemon.testbed.world; issue 30)
 #   tiny: capacity (one hard type);  duty: role / duty at equal capacity;  edge: a verifier reading the solver;
 #   mixed: two types whose best workers differ (only a policy that reads the question is optimal);  two: easy + hard;
 #   multi: several fields each pay a little (capacity, a note, a checker, both duties)
-WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world, "mixed": mixed_world,
-                  "multi": multi_world}
+WORLD_BUILDERS = {"two": two_type_world, "tiny": tiny_world, "duty": duty_world, "edge": edge_world,
+                  "mixed": mixed_world, "multi": multi_world}
 WORLDS = tuple(WORLD_BUILDERS)
 SCORINGS = ("exact", "sampled")
 BASES = ("preset", "random-tiny", "random-tiny-bpe")
@@ -63,7 +64,8 @@ class ExperimentConfig:
     """One comparison: which world, arms and seeds, and the budget every run gets."""
 
     world: str = "two"
-    """A key of WORLD_BUILDERS: 'two' (MultiArith easy + GSM8K hard), 'tiny' (GSM8K, capacity pays), 'duty', 'edge', 'mixed'."""
+    """A key of WORLD_BUILDERS: 'two' (MultiArith easy + GSM8K hard), 'tiny' (GSM8K, capacity pays), 'duty', 'edge',
+    'mixed'."""
     arms: tuple[str, ...] = tuple(ARMS)
     """Training arms (keys of ARMS)."""
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -92,10 +94,10 @@ class ExperimentConfig:
     """Further TrainConfig fields for every run (e.g. {"num_generations": 8})."""
     base: str = "preset"
     """The policy every run starts from: 'preset' (the trainer profile's policy, e.g. SmolLM2-135M for 'smoke') or
-    'random-tiny' (a random 2-layer Qwen2 with SmolLM2's tokenizer, lemon.policy.model.cached_random_policy, drawn from the
-    TRAINING seed: each seed is an independent policy, shared by every arm of that seed, so arms stay paired; ~10 s a step
-    on 2 cores, which is what makes >= 10 seeds per arm and world affordable) or 'random-tiny-bpe' (the same draw on the
-    testbed's own 2,048-token BPE, lemon.testbed.vocab: every vocabulary-sized operation ~20x cheaper)."""
+    'random-tiny' (a random 2-layer Qwen2 with SmolLM2's tokenizer, lemon.policy.model.cached_random_policy, drawn from
+    the TRAINING seed: each seed is an independent policy, shared by every arm of that seed, so arms stay paired; ~10 s
+    a step on 2 cores, which is what makes >= 10 seeds per arm and world affordable) or 'random-tiny-bpe' (the same draw
+    on the testbed's own 2,048-token BPE, lemon.testbed.vocab: every vocabulary-sized operation ~20x cheaper)."""
     scoring: str = "exact"
     """'exact': rollouts and edits rewarded with their exact expected reward (lemon.testbed.exact, no outcome noise);
     'sampled': executed on the simulated pool, one sampled outcome each (the real trainer's noise)."""
@@ -115,7 +117,8 @@ class ExperimentConfig:
             raise ValueError(f"arms {bad} unknown (valid: {', '.join(ARMS)}), or no arms / seeds given")
         if min(self.max_steps, self.train_questions, self.heldout_questions, self.eval_every, self.smooth,
                self.final_window) < 1:
-            raise ValueError("max_steps, train_questions, heldout_questions, eval_every, smooth and final_window must be >= 1")
+            raise ValueError("max_steps, train_questions, heldout_questions, eval_every, smooth and final_window "
+                             "must be >= 1")
 
 
 def make_world(name: str, prompts: Prompts) -> SimWorld:
@@ -138,7 +141,8 @@ def world_of_record(rec: dict, prompts: Prompts) -> SimWorld:
 def split_examples(world: SimWorld, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
     """Disjoint (train, held-out) examples, each balanced over the world's task types (round-robin), seeded."""
     rng = random.Random(f"testbed-split/{seed}")
-    by_type = {t: sorted((e for e in world.examples() if world.type_of(e) == t), key=lambda e: e.id) for t in world.config.types}
+    by_type = {t: sorted((e for e in world.examples() if world.type_of(e) == t), key=lambda e: e.id)
+               for t in world.config.types}
     for v in by_type.values():
         rng.shuffle(v)
     order = [e for group in zip(*by_type.values()) for e in group]  # t1, t2, t1, t2, ... (up to the smallest type)
@@ -149,16 +153,18 @@ def split_examples(world: SimWorld, n_train: int, n_heldout: int, seed: int) -> 
 
 def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
     """The TrainConfig of one run: the preset, the arm's CF settings, the seed, the budget. Sized to the sim like
-    lemon.train.config.size_budgets sizes real workers: reply caps at least the sim's reply lengths, task budget at least
-    and efficiency budget exactly the nominal tokens of the most expensive allowed spec (lemon.testbed.world)."""
+    lemon.train.config.size_budgets sizes real workers: reply caps at least the sim's reply lengths, task budget at
+    least and efficiency budget exactly the nominal tokens of the most expensive allowed spec (lemon.testbed.world)."""
     from dataclasses import replace
-    over = {"max_steps": exp.max_steps, "save_steps": exp.eval_every, "seed": seed, "train_questions": exp.train_questions,
-            "benchmarks": tuple(world.config.benchmark_type), **ARMS[arm], **dict(exp.train_overrides)}
+    over = {"max_steps": exp.max_steps, "save_steps": exp.eval_every, "seed": seed,
+            "train_questions": exp.train_questions, "benchmarks": tuple(world.config.benchmark_type), **ARMS[arm],
+            **dict(exp.train_overrides)}
     if exp.base == "random-tiny":
         over["policy"] = PolicyConfig(model=str(policy_model.cached_random_policy(seed)), **RANDOM_TINY)
-    elif exp.base == "random-tiny-bpe":  # the same random draw shape on the testbed's 2,048-token BPE (lemon.testbed.vocab)
-        over["policy"] = PolicyConfig(model=str(policy_model.cached_random_policy(seed, tokenizer_dir=small_tokenizer_dir())),
-                                      **RANDOM_TINY)
+    elif exp.base == "random-tiny-bpe":
+        # the same random draw shape on the testbed's 2,048-token BPE (lemon.testbed.vocab)
+        over["policy"] = PolicyConfig(
+            model=str(policy_model.cached_random_policy(seed, tokenizer_dir=small_tokenizer_dir())), **RANDOM_TINY)
     cfg = train_preset(exp.profile, **over)
     k = GROUP_FACTOR.get(arm, 1)
     if k > 1:
@@ -166,8 +172,8 @@ def train_config(arm: str, seed: int, exp: ExperimentConfig, world: SimWorld):
                       micro_batch=k * cfg.micro_batch)
     worst = world.worst_tokens(cfg.max_agents)
     caps = {c: max(int(cfg.worker_max_tokens.get(c, 0)), n) for c, n in world.worker_max_tokens().items()}
-    # a fresh sim draw per step: with one fixed worker seed a spec would get the same lucky (or unlucky) outcome at every
-    # step and the policy could learn the draw instead of the expected reward
+    # a fresh sim draw per step: with one fixed worker seed a spec would get the same lucky (or unlucky) outcome at
+    # every step and the policy could learn the draw instead of the expected reward
     fitted = {"worker_max_tokens": caps, "task_token_budget": max(cfg.task_token_budget, worst),
               "worker_seed_per_step": dict(exp.train_overrides).get("worker_seed_per_step", True)}
     if "reward" not in exp.train_overrides:
@@ -183,7 +189,8 @@ def run_caps(cfg) -> ExecutorCaps:
 
 def run_arm(arm: str, seed: int, out_dir: Path, world: SimWorld, exp: ExperimentConfig, prompts: Prompts, *,
             progress: bool = True) -> dict:
-    """Train one (arm, seed) into out_dir (resumable). THE one call into the trainer; run.json records what scoring needs."""
+    """Train one (arm, seed) into out_dir (resumable). THE one call into the trainer; run.json records what scoring
+    needs."""
     cfg = train_config(arm, seed, exp, world)
     train_ex, _ = split_examples(world, exp.train_questions, exp.heldout_questions, exp.data_seed)
     out_dir = Path(out_dir)
@@ -192,8 +199,8 @@ def run_arm(arm: str, seed: int, out_dir: Path, world: SimWorld, exp: Experiment
     pool = world.pool()  # 'exact' makes no worker call; the pool still describes the workers in the manifest
     factory = exact_scorer_factory(world) if exp.scoring == "exact" else None
     try:
-        return train(cfg, out_dir, prompts, pool=pool, init_adapter=exp.init_adapter, examples=train_ex, progress=progress,
-                     scorer_factory=factory)
+        return train(cfg, out_dir, prompts, pool=pool, init_adapter=exp.init_adapter, examples=train_ex,
+                     progress=progress, scorer_factory=factory)
     finally:
         pool.close()
 
@@ -212,7 +219,8 @@ def read_run_info(run_dir: Path) -> tuple[dict, RewardConfig, int, ExecutorCaps]
 
 
 def read_text(path: Path) -> str | None:
-    """A file's text, or its gzipped copy's (`<path>.gz`, as outputs/reference/ keeps large records); None if neither."""
+    """A file's text, or its gzipped copy's (`<path>.gz`, as outputs/reference/ keeps large records); None if
+    neither."""
     path, gz = Path(path), Path(str(path) + ".gz")
     if path.exists():
         return path.read_text()
@@ -234,19 +242,20 @@ def score_rows(rows: list[dict], world: SimWorld, run_dir: Path) -> pd.DataFrame
                                      "reward"])
     info, reward, max_agents, caps = read_run_info(run_dir)
     scores = world.score_texts([r["text"] for r in rows], [r["example_id"] for r in rows], reward, max_agents, caps)
-    return pd.DataFrame([{"arm": info["arm"], "seed": info["seed"], "step": int(r["step"]), "example_id": r["example_id"],
-                          "type": world.type_of(world.example(r["example_id"])), "valid": s.valid,
-                          "expected_reward": s.expected_reward, "regret": s.regret, "reward": r.get("reward"),
-                          **_shape(s.spec)} for r, s in zip(rows, scores)])
+    return pd.DataFrame([{"arm": info["arm"], "seed": info["seed"], "step": int(r["step"]),
+                          "example_id": r["example_id"], "type": world.type_of(world.example(r["example_id"])),
+                          "valid": s.valid, "expected_reward": s.expected_reward, "regret": s.regret,
+                          "reward": r.get("reward"), **_shape(s.spec)} for r, s in zip(rows, scores)])
 
 
 def _shape(spec) -> dict:
-    """What a spec looks like (for 'what did the policy learn'): agents, share of large agents, the final agent's base role
-    and capacity; NaN / None for an invalid text (spec None: TextScore.spec as world.score_texts parsed it)."""
+    """What a spec looks like (for 'what did the policy learn'): agents, share of large agents, the final agent's base
+    role and capacity; NaN / None for an invalid text (spec None: TextScore.spec as world.score_texts parsed it)."""
     if spec is None:
         return {"agents": float("nan"), "large_share": float("nan"), "final_role": None, "final_capacity": None}
     fin = spec.agent(spec.final)
-    return {"agents": float(len(spec.agents)), "large_share": sum(a.capacity == "large" for a in spec.agents) / len(spec.agents),
+    return {"agents": float(len(spec.agents)),
+            "large_share": sum(a.capacity == "large" for a in spec.agents) / len(spec.agents),
             "final_role": fin.base_role, "final_capacity": fin.capacity}
 
 
@@ -263,7 +272,7 @@ def collect(root: Path, world: SimWorld, which: str = "rollouts") -> pd.DataFram
     return pd.concat(frames, ignore_index=True) if frames else score_rows([], world, Path(root))
 
 
-# ---- held-out greedy evaluation and the experiment record -------------------------------------------------------------
+# ---- held-out greedy evaluation and the experiment record -----------------------------------------------------------
 def eval_points(run_dir: Path, exp: ExperimentConfig) -> list[tuple[int, str | None]]:
     """(step, adapter) to evaluate: step 0 = the starting adapter, then every checkpoint, then the final adapter."""
     run_dir = Path(run_dir)
@@ -277,8 +286,9 @@ def eval_points(run_dir: Path, exp: ExperimentConfig) -> list[tuple[int, str | N
 
 def evaluate_heldout(run_dir: Path, world: SimWorld, exp: ExperimentConfig, prompts: Prompts, cfg, *,
                      prune: bool = False) -> int:
-    """Greedy specs (the training grammar when constrained) of each eval point's policy on the held-out questions, appended
-    to run_dir/heldout.jsonl ({step, example_id, text}); points already there are skipped. Returns rows written.
+    """Greedy specs (the training grammar when constrained) of each eval point's policy on the held-out questions,
+    appended to run_dir/heldout.jsonl ({step, example_id, text}); points already there are skipped.
+    Returns rows written.
     prune=True deletes each evaluated checkpoint except the latest (which a resume needs): 0.5B LoRA checkpoints with
     optimizer state are tens of MB each, times steps / eval_every, times arms x seeds."""
     import gc
@@ -324,17 +334,18 @@ def optimum_rows(world: SimWorld, reward: RewardConfig, max_agents: int, caps: E
 
 def write_experiment(root: Path, exp: ExperimentConfig, world: SimWorld, reward: RewardConfig, max_agents: int,
                      caps: ExecutorCaps, command: str) -> dict:
-    """Write <root>/experiment.json. A folder filled by several invocations (one per arm or seed, so a crash loses one run)
-    keeps ONE record: arms and seeds are merged and every command is kept in `commands`, provided everything else (world,
-    budget, init adapter, overrides, reward, optimum) is identical; otherwise ValueError, since runs of different configs
-    in one folder would be compared as if they were one experiment."""
+    """Write <root>/experiment.json. A folder filled by several invocations (one per arm or seed, so a crash loses one
+    run) keeps ONE record: arms and seeds are merged and every command is kept in `commands`, provided everything else
+    (world, budget, init adapter, overrides, reward, optimum) is identical; otherwise ValueError, since runs of
+    different configs in one folder would be compared as if they were one experiment."""
     rec = {"config": {**asdict(exp), "train_overrides": dict(exp.train_overrides)}, "world": world.describe(),
            "optimum": optimum_rows(world, reward, max_agents, caps), "reward": asdict(reward), "command": command}
     rec = json.loads(json.dumps(rec))  # tuples -> lists, as they read back
     path = Path(root) / "experiment.json"
     Path(root).mkdir(parents=True, exist_ok=True)
-    # Two chains may start runs in one folder at once (experiments/mechanisms.sh with one world splits its seeds over both
-    # cores): the read-merge-write holds an exclusive lock, and the write is atomic, so neither reads a half-written file.
+    # Two chains may start runs in one folder at once (experiments/mechanisms.sh with one world splits its seeds over
+    # both cores): the read-merge-write holds an exclusive lock, and the write is atomic, so neither reads a
+    # half-written file.
     with open(Path(root) / ".experiment.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _merge_experiment(path, rec, command)
@@ -349,7 +360,8 @@ def _merge_experiment(path: Path, rec: dict, command: str) -> dict:
         diff += [k for k in ("world", "optimum", "reward") if old.get(k) != rec[k]]
         if diff:
             raise ValueError(f"{path} records another experiment (differs in {diff}): use a new --out folder")
-        rec["config"]["arms"] = old["config"]["arms"] + [a for a in rec["config"]["arms"] if a not in old["config"]["arms"]]
+        rec["config"]["arms"] = old["config"]["arms"] + [a for a in rec["config"]["arms"]
+                                                         if a not in old["config"]["arms"]]
         rec["config"]["seeds"] = sorted(set(old["config"]["seeds"]) | set(rec["config"]["seeds"]))
         rec["commands"] = old.get("commands", [old["command"]]) + [command]
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

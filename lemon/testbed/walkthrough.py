@@ -1,9 +1,9 @@
 """One CF-GRPO step taken apart on a simulated world, for notebooks/00_method.ipynb (its cells call these functions).
 
-The trainer's own path (lemon.train.grpo) without TRL: specs sampled under the grammar (lemon.policy.rollout),
-scored and edited once each by the trainer's scorer with the world's EXACT expected reward (lemon.testbed.exact, built
-by lemon.testbed.credit.Measure), turned into (B, T) advantages by the trainer's own call, lemon.train.cf.rollout_advantages
-(scale "none", forced tokens zeroed), then one AdamW step on the LoRA weights for
+The trainer's own path (lemon.train.grpo) without TRL: specs sampled under the grammar (lemon.policy.rollout), scored
+and edited once each by the trainer's scorer with the world's EXACT expected reward (lemon.testbed.exact, built by
+lemon.testbed.credit.Measure), turned into (B, T) advantages by the trainer's own call,
+lemon.train.cf.rollout_advantages (scale "none", forced tokens zeroed), then one AdamW step on the LoRA weights for
     loss = -(1/N) sum_i sum_t A_{i,t} log pi(y_{i,t}),    N = completion tokens of the batch (TRL's default "dapo"),
 which is TRL's clipped-ratio loss at its on-policy point (ratio 1, beta 0): the same value and gradient. Unlike a TRL
 run: a constant learning rate (TRL decays it linearly) and the questions taken in turn rather than shuffled.
@@ -74,8 +74,8 @@ def setup(world: str = "duty", seed: int = 0, group: int = 4, cf_lambda: float =
     tcfg = train_config("cf", seed, exp, w)
     train_ex, heldout = split_examples(w, questions, k, exp.data_seed)
     model, tok = load_policy(tcfg.policy, seed=seed)
-    m = Measure(model, tok, w, train_ex, prompts, tcfg, run_caps(tcfg), CreditConfig(group=group, cf_lambda=cf_lambda,
-                                                                                      seed=seed, temperature=tcfg.temperature))
+    m = Measure(model, tok, w, train_ex, prompts, tcfg, run_caps(tcfg),
+                CreditConfig(group=group, cf_lambda=cf_lambda, seed=seed, temperature=tcfg.temperature))
     opt = torch.optim.AdamW(m.params, lr=learning_rate, weight_decay=0.0)  # the HF Trainer's defaults but the rate
     return Bench(w, prompts, tcfg, m, m.scorer(), opt, heldout)
 
@@ -174,8 +174,8 @@ def tokens_html(bench: Bench, batch: Batch, i: int) -> str:
 
 
 def advantages(batch: Batch, cf_lambda: float) -> dict[str, torch.Tensor]:
-    """The trainer's (B, T) advantages (rollout_advantages, scale "none", forced tokens zeroed), its global part (the same
-    call with lambda 0) and CF part (the rest), and the masks they were built from."""
+    """The trainer's (B, T) advantages (rollout_advantages, scale "none", forced tokens zeroed), its global part (the
+    same call with lambda 0) and CF part (the rest), and the masks they were built from."""
     recs, T = batch.recs, max(s.n_tokens for s in batch.samples)
     cmask = torch.tensor([[1] * s.n_tokens + [0] * (T - s.n_tokens) for s in batch.samples])  # (B, T)
     out = {}
