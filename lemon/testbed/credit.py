@@ -15,6 +15,8 @@ with scale 'none', the unmasked log-probs TRL uses, forced-token masking as Trai
             + lambda * delta_i on the edited span's tokens. Same policy samples as grpo@G;
   grpo@2G   2G specs per question: as many executions as cf@G (G rollouts + G edits);
   cf-term   cf@G minus grpo@G: the counterfactual term alone;
+  cfb@G     cf@G with each delta minus the step's leave-one-out mean delta of its family (cf_baseline "family", an
+            extension beyond the paper); cfb-term = cfb@G minus grpo@G;
   ... masked  grpo@G / cf@G with the grammar-renormalised log-probs (the sampler's own) instead of the unmasked ones:
             what the estimators would be if the trainer scored tokens as the sampler draws them.
 For each estimator: the cosine of its gradient with the reference, over D independent draws (mean and a bootstrap CI).
@@ -36,7 +38,8 @@ from lemon.testbed.exact import ExactScorer
 from lemon.train.cf import note_forced, rollout_advantages
 from lemon.train.edits import FAMILIES, FamilySampler
 
-ESTIMATORS = ("grpo@G", "cf@G", "grpo@2G", "cf-term", "grpo@G masked", "cf@G masked")
+# cfb@G: cf@G with the contrast baselined per family (TrainConfig.cf_baseline="family", an extension beyond the paper)
+ESTIMATORS = ("grpo@G", "cf@G", "grpo@2G", "cf-term", "grpo@G masked", "cf@G masked", "cfb@G", "cfb-term")
 
 
 @dataclass(frozen=True)
@@ -175,20 +178,23 @@ class Measure:
             out[name] = self.grad(self._weighted(flat, recs, lam))
             out[f"{name} masked"] = self.grad(self._weighted(flat, recs, lam, masked=True))
         out["cf-term"] = out["cf@G"] - out["grpo@G"]
+        out["cfb@G"] = self.grad(self._weighted(flat, recs, self.cfg.cf_lambda, cf_baseline="family"))
+        out["cfb-term"] = out["cfb@G"] - out["grpo@G"]
         recs2 = self.scorer().score([(self.examples[q].id, s.text, s.token_ids, q, 0) for q, grp in enumerate(groups)
                                      for s in grp])
         flat2 = [s for grp in groups for s in grp]
         out["grpo@2G"] = self.grad(self._weighted(flat2, recs2, 0.0))
         return out
 
-    def _weighted(self, samples, recs, lam: float, masked: bool = False):
+    def _weighted(self, samples, recs, lam: float, masked: bool = False, cf_baseline: str = "none"):
         """(q, sample, per-token weights, unmasked) items: the trainer's (B, T) advantages (lemon.train.cf), forced
         tokens zeroed when cfg.mask_forced."""
         import torch
         T = max(len(s.token_ids) for s in samples)
         cmask = torch.tensor([[1] * len(s.token_ids) + [0] * (T - len(s.token_ids)) for s in samples])  # (B, T)
         note_forced(recs, samples)
-        adv, _, _ = rollout_advantages(recs, cmask, lam=lam, scale="none", mask_forced=self.cfg.mask_forced)  # (B, T)
+        adv, _, _ = rollout_advantages(recs, cmask, lam=lam, scale="none", mask_forced=self.cfg.mask_forced,
+                                       cf_baseline=cf_baseline)  # (B, T)
         return [(recs[i].group, s, adv[i, :len(s.token_ids)].clone(), masked) for i, s in enumerate(samples)]
 
 
