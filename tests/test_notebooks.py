@@ -1,5 +1,5 @@
-"""The study notebooks: their shape (fast), and the whole `test`-profile study through papermill, validated with nbval (slow,
-in CI): plots, summary tables and result rows exist, and a rerun resumes instead of redoing."""
+"""The study notebooks: their shape (fast), and the whole `test`-profile study through papermill, validated with nbval
+(slow, in CI): plots, summary tables and result rows exist, and a rerun resumes instead of redoing."""
 import ast
 import json
 import subprocess
@@ -22,17 +22,37 @@ def test_notebook_shape(name):
     nb = nbformat.read(NB_DIR / f"{name}.ipynb", as_version=4)
     assert nb.metadata["kernelspec"]["name"] == "python3"
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert nb.cells[0] is code[0] and "parameters" in code[0].metadata.get("tags", [])
+    title = nb.cells[0]  # the title first, then the parameters, then the setup
+    assert title.cell_type == "markdown" and title.source.startswith(f"# {name[:2]} · "), title.source[:80]
+    assert nb.cells[1] is code[0] and "parameters" in code[0].metadata.get("tags", [])
     names = set()
     for stmt in ast.parse(code[0].source).body:  # literals only, so papermill can override them
         assert isinstance(stmt, ast.Assign), ast.dump(stmt)
         ast.literal_eval(stmt.value)
         names |= {t.id for t in stmt.targets}
     assert names == {"profile", "out_dir", "seed", "sets", "workers"}
-    assert nb.cells[1] is code[1] and "study.setup(profile, out_dir, seed, sets, workers)" in code[1].source and "print(cfg.describe())" in code[1].source
+    assert nb.cells[2] is code[1] and "study.setup(profile, out_dir, seed, sets, workers)" in code[1].source
+    assert "print(cfg.describe())" in code[1].source
+    for c in code:  # committed without outputs
+        assert not c.outputs and c.execution_count is None, c.source[:80]
     for c in code:  # logic lives in lemon/, not in the notebooks
         tree = ast.parse("\n".join(l for l in c.source.splitlines() if not l.lstrip().startswith(("%", "!"))))
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))], c.source
+
+
+def test_training_notebook_takes_one_step_apart_before_the_loop():
+    """Notebook 02: the objective in the title cell, then on the real objects (warm-started policy, worker pool,
+    trainer parts) one question through one CF-GRPO step, stage by stage, then the training loop."""
+    nb = nbformat.read(NB_DIR / "02_train_grpo_lora.ipynb", as_version=4)
+    assert all(x in nb.cells[0].source for x in ("A_{i,t}", r"\delta_i = r(y_i) - r(y_i')", r"\lambda", "S_i"))
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    steps = ("stages.warm_start_main(", "wt.setup(", "wt.sample(", "wt.score(", "wt.agent_io_html(", "draw_spec(",
+             "wt.counterfactuals(", "wt.family_edits(", "wt.tokens_html(", "wt.advantages(", "wt.plot_advantages(",
+             "wt.optimizer_step(", "wt.span_table(", "stages.train_main(", "plots.training_curves(")
+    at = [next((k for k, src in enumerate(code) if s in src), None) for s in steps]
+    assert None not in at and at == sorted(at), dict(zip(steps, at))
+    checks = [src for src in code if src.startswith("# NBVAL_CHECK_OUTPUT")]
+    assert len(checks) >= 2 and all("walk.samples" not in src and ".text" not in src for src in checks)
 
 
 def _png(path):
@@ -70,19 +90,23 @@ def test_study_end_to_end(tmp_path_factory):
         assert len(ids) == len(set(ids)) == cfg.eval_n, (m, b)
     for m in cfg.eval_methods:  # every row from its benchmark's EVAL pool split
         for b in cfg.benchmarks:
-            assert {r["split"] for r in read_rows(out / "eval" / m / b / "results.jsonl")} == {B.POOL_SPLITS["eval"][b]}, (m, b)
+            splits = {r["split"] for r in read_rows(out / "eval" / m / b / "results.jsonl")}
+            assert splits == {B.POOL_SPLITS["eval"][b]}, (m, b)
     assert json.loads((out / "select" / "choice.json").read_text())["chosen"] in cfg.fixed_candidates
     md = (out / "summary.md").read_text()
     for needle in ("## Does training help?", "**Training vs its warm start: delta", "## Data pools", "## Training",
-                   "## Main results", "| method | gsm8k (test, n=1) | mmlu (validation, n=1) |", "## Ablation", "| variant |",
+                   "## Main results", "| method | gsm8k (test, n=1) | mmlu (validation, n=1) |", "## Ablation",
+                   "| variant |",
                    "## Edit effects", "smollm2-135m", f"seed {cfg.seed}", "n = 1"):
         assert needle in md, needle
-    assert (out / "train" / "sft" / "sft.json").exists() and (out / "train" / "sft" / "adapter_model.safetensors").exists()
+    assert (out / "train" / "sft" / "sft.json").exists()
+    assert (out / "train" / "sft" / "adapter_model.safetensors").exists()
     assert (out / "train" / "grpo" / "adapter" / "adapter_config.json").exists()
     assert len(read_rows(out / "train" / "grpo" / "metrics.jsonl")) >= cfg.train.max_steps
     for v in cfg.ablation_variants:
         for b in cfg.ablation_benchmarks:
-            assert len(read_rows(out / "ablations" / "variants" / v / "eval" / b / "results.jsonl")) == cfg.ablation_n, (v, b)
+            rows_v = read_rows(out / "ablations" / "variants" / v / "eval" / b / "results.jsonl")
+            assert len(rows_v) == cfg.ablation_n, (v, b)
     man = json.loads((out / "manifest.json").read_text())
     assert man["git"] and man["data"] and man["policy"]["sha256"] and man["seeds"]["study"] == cfg.seed
 

@@ -65,15 +65,23 @@ def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
 
 
 # ---- notebook 02: training -------------------------------------------------------------------------------------------
-def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, progress: bool = True) -> tuple[dict, dict]:
-    """SFT warm start then CF-GRPO (both resume), with one worker pool; checks the training ids lie in 01's train pools."""
+def warm_start_main(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> dict:
+    """Stage 1: the SFT warm start into train/sft (resumes), with the training worker pool."""
+    return warm_start(cfg.train, cfg.sft, paths.sft, prompts, pool=pool, progress=progress)
+
+
+def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, pool=None, progress: bool = True) -> tuple[dict, dict]:
+    """SFT warm start then CF-GRPO (both resume), with one worker pool (`pool`, else one built and closed here); checks
+    the training ids lie in 01's train pools."""
     pools = json.loads(paths.require(paths.data / "train_ids.json", "01_prepare_data").read_text())
-    pool = build_pool(cfg.train)
+    own = pool is None
+    pool = build_pool(cfg.train) if own else pool
     try:
-        sft = warm_start(cfg.train, cfg.sft, paths.sft, prompts, pool=pool, progress=progress)
+        sft = warm_start_main(cfg, paths, prompts, pool, progress=progress)
         res = train(cfg.train, paths.grpo, prompts, pool=pool, init_adapter=sft["adapter"], progress=progress)
     finally:
-        pool.close()
+        if own:
+            pool.close()
     allowed = {i for ids in pools.values() for i in ids}
     used = json.loads((paths.grpo / "manifest.json").read_text()).get("train_ids", [])
     if set(used) - allowed:
