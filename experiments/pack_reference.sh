@@ -16,7 +16,9 @@ for exp in "$SRC"/*/experiment.json; do
     mkdir -p "$DEST/$rel"
     cp "$run/run.json" "$DEST/$rel"
     for f in rollouts.jsonl heldout.jsonl train.json manifest.json; do  # metrics.jsonl: the same rows as train.json's history
-      [ -f "$run/$f" ] && gzip -9 -c "$run/$f" > "$DEST/$rel/$f.gz"
+      if [ -f "$run/$f" ]; then gzip -9 -c "$run/$f" > "$DEST/$rel/$f.gz"
+      elif [ -f "$run/$f.gz" ]; then cp "$run/$f.gz" "$DEST/$rel/"  # a run copied from an earlier packed record
+      fi
     done
   done
 done
