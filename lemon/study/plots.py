@@ -1,5 +1,6 @@
-"""Tables and figures of the study (seaborn, saved as PNG) and its summary.md. Everything reads what the notebooks wrote to
-the study folder (results.jsonl, metrics.jsonl, edit_effects.jsonl), so a table can be rebuilt at any time without a model."""
+"""Tables and figures of the study (seaborn, saved as PNG) and its summary.md. Everything reads what the notebooks wrote
+to the study folder (results.jsonl, metrics.jsonl, edit_effects.jsonl), so a table can be rebuilt at any time without a
+model."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ from lemon import benchmarks as B
 from lemon.eval.baselines import BASELINES
 from lemon.eval.runner import read_rows, summarize
 from lemon.prompts import default_prompts
-from lemon.report import md_table, save, shown_path
+from lemon.report import md_table, shown_path
+# re-exported, not used here: the notebooks call plots.save(...)
+from lemon.report import save  # noqa: F401
 from lemon.study.compare import policy_specs, spec_composition, study_comparisons
 from lemon.study.config import split_method
 from lemon.study.paths import StudyPaths
@@ -41,7 +44,8 @@ def pool_sizes(stats: pd.DataFrame):
 
 # ---- training --------------------------------------------------------------------------------------------------------
 def read_metrics(path: Path) -> pd.DataFrame:
-    """Per-step training metrics (metrics.jsonl: one JSON per logged step); a resumed run's repeated steps keep the last."""
+    """Per-step training metrics (metrics.jsonl: one JSON per logged step); a resumed run's repeated steps keep the
+    last."""
     rows = [r for r in read_rows(Path(path)) if "reward" in r]
     if not rows:
         return pd.DataFrame()
@@ -49,14 +53,16 @@ def read_metrics(path: Path) -> pd.DataFrame:
 
 
 def training_curves(m: pd.DataFrame, sft_loss: list[float] | None = None):
-    """Reward and its terms, valid-spec rate, worker / CF tokens, CF delta per family, family probabilities, SFT loss."""
+    """Reward and its terms, valid-spec rate, worker / CF tokens, CF delta per family, family probabilities, SFT
+    loss."""
     plt, sns = _plt()
     from matplotlib.ticker import MaxNLocator
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     panels = [("reward and its terms", ["reward", "rewards/success/mean", "rewards/token_efficiency/mean",
                                         "rewards/graph_cost/mean", "rewards/invalid/mean"]),
-              ("valid-spec rate (and why invalid)", ["spec/valid_rate", *sorted(c for c in m.columns if c.startswith("spec/invalid_"))]), ("worker tokens per step", ["tokens/worker_spent", "tokens/cf_spent",
-                                                                                     "tokens/cf_nominal"]),
+              ("valid-spec rate (and why invalid)",
+               ["spec/valid_rate", *sorted(c for c in m.columns if c.startswith("spec/invalid_"))]),
+              ("worker tokens per step", ["tokens/worker_spent", "tokens/cf_spent", "tokens/cf_nominal"]),
               ("CF delta = R(orig) - R(edit)", [f"cf/delta_{f}" for f in FAMILY_LABEL]),
               ("edit-family probability", [f"cf/prob_{f}" for f in FAMILY_LABEL])]
     for ax, (title, cols) in zip(axes.flat, panels):
@@ -87,8 +93,9 @@ def eval_table(root: Path, methods, benchmarks, sub=lambda root, m, b: Path(root
             if not rows:
                 continue
             s = summarize(rows)
-            out.append({"method": m, "benchmark": b, "split": rows[0].get("split"), "n": s["n"], "accuracy": s["accuracy"],
-                        "ci_lo": s["ci95"][0], "ci_hi": s["ci95"][1], "tokens": s["mean_worker_tokens"],
+            out.append({"method": m, "benchmark": b, "split": rows[0].get("split"), "n": s["n"],
+                        "accuracy": s["accuracy"], "ci_lo": s["ci95"][0], "ci_hi": s["ci95"][1],
+                        "tokens": s["mean_worker_tokens"],
                         "orchestrator_tokens": sum(r.get("orchestrator_tokens", 0) for r in rows) / s["n"],
                         "invalid_specs": s["invalid_specs"], "errors": s["errors"]})
     return pd.DataFrame(out)
@@ -96,20 +103,23 @@ def eval_table(root: Path, methods, benchmarks, sub=lambda root, m, b: Path(root
 
 def wide_table(t: pd.DataFrame, methods, benchmarks) -> pd.DataFrame:
     """Methods x benchmarks, each cell 'accuracy [CI] · tokens'; headers name the split and n."""
-    cell = {(r.method, r.benchmark): f"{r.accuracy:.2f} [{r.ci_lo:.2f}, {r.ci_hi:.2f}] · {r.tokens:.0f}" for r in t.itertuples()}
+    cell = {(r.method, r.benchmark): f"{r.accuracy:.2f} [{r.ci_lo:.2f}, {r.ci_hi:.2f}] · {r.tokens:.0f}"
+            for r in t.itertuples()}
     head = {b: f"{b} ({g.split.iloc[0]}, n={'/'.join(map(str, sorted(set(g.n))))})" for b, g in t.groupby("benchmark")}
     return pd.DataFrame([{"method": m, **{head[b]: cell.get((m, b), "-") for b in benchmarks if b in head}}
                          for m in methods if m in set(t.method)])
 
 
 def pareto_front(costs, accs) -> list[bool]:
-    """True where no other point has cost <= and accuracy >= with one of them strict (lower cost, higher accuracy wins)."""
+    """True where no other point has cost <= and accuracy >= with one of them strict (lower cost, higher accuracy
+    wins)."""
     pts = list(zip(costs, accs))
     return [not any(c2 <= c and a2 >= a and (c2 < c or a2 > a) for c2, a2 in pts) for c, a in pts]
 
 
 def method_summary(t: pd.DataFrame) -> pd.DataFrame:
-    """Per method: macro-average accuracy over benchmarks, mean worker tokens, total n, and whether it is Pareto-optimal."""
+    """Per method: macro-average accuracy over benchmarks, mean worker tokens, total n, and whether it is
+    Pareto-optimal."""
     g = t.groupby("method", sort=False).agg(accuracy=("accuracy", "mean"), tokens=("tokens", "mean"), n=("n", "sum"),
                                             benchmarks=("benchmark", "count"),
                                             orchestrator_tokens=("orchestrator_tokens", "mean")).reset_index()
@@ -144,7 +154,8 @@ def accuracy_heatmap(t: pd.DataFrame):
 
 # ---- ablations -------------------------------------------------------------------------------------------------------
 def edit_table(rows: list[dict]) -> pd.DataFrame:
-    """Mean effect of applying each edit family (edited minus original), per family and benchmark, with the edit count."""
+    """Mean effect of applying each edit family (edited minus original), per family and benchmark, with the edit
+    count."""
     if not rows:
         return pd.DataFrame(columns=["family", "benchmark", "edits", "d_accuracy", "d_tokens"])
     d = pd.DataFrame(rows)
@@ -229,17 +240,20 @@ def headline_md(cfg, root: Path, models: str) -> list[str]:
     if c.empty:
         return []
     lead = c[c["B"].str.startswith("sft")]
-    answer = ("Training vs its warm start: " + "; ".join(f"delta {r['delta']:+.3f} {r['95% CI']}, n = {r['n']}: "
-                                                         f"{r['verdict']}" for r in lead.to_dict("records")) + ".") if len(lead) else \
+    answer = ("Training vs its warm start: "
+              + "; ".join(f"delta {r['delta']:+.3f} {r['95% CI']}, n = {r['n']}: {r['verdict']}"
+                          for r in lead.to_dict("records")) + ".") if len(lead) else \
         "The SFT warm start was not evaluated (add 'sft' to ablation_variants): no training-effect comparison."
     return ["## Does training help? (paired on the same questions)", "", f"**{answer}**", "",
-            f"`lemon` = the CF-GRPO policy of notebook 02 ({cfg.train.max_steps} steps, cf_lambda={cfg.train.cf_lambda}), "
-            f"paired question by question with each method on the EVAL-pool questions both answered (seed {cfg.seed}). "
-            "delta = accuracy(A) - accuracy(B); 95% percentile bootstrap CI over questions, resampled within each "
-            "benchmark; 'A only / B only' = questions only one of them got right; McNemar = exact two-sided test on those. "
+            f"`lemon` = the CF-GRPO policy of notebook 02 ({cfg.train.max_steps} steps, "
+            f"cf_lambda={cfg.train.cf_lambda}), paired question by question with each method on the EVAL-pool "
+            f"questions both answered (seed {cfg.seed}). delta = accuracy(A) - accuracy(B); 95% percentile "
+            "bootstrap CI over questions, resampled within each benchmark; 'A only / B only' = questions only one of "
+            "them got right; McNemar = exact two-sided test on those. "
             f"A CI that includes 0 means this n cannot tell the two apart (not that they are equal). {models}.", "",
-            md_table(c), "", "What the policies' evaluation specs look like (distinct = spec structures over the questions; "
-            "one for all = a collapsed policy; shares = agents at each capacity):", "",
+            md_table(c), "",
+            "What the policies' evaluation specs look like (distinct = spec structures over the questions; one for all "
+            "= a collapsed policy; shares = agents at each capacity):", "",
             md_table(spec_composition(policy_specs(cfg, root, default_prompts()))), ""]
 
 
@@ -261,12 +275,12 @@ def write_summary(cfg, paths) -> Path:
     if sft_p.exists() and tr_p.exists():
         sft, m = json.loads(sft_p.read_text()), read_metrics(root / "train" / "grpo" / "metrics.jsonl")
         last = m.iloc[-1].to_dict() if len(m) else {}
-        probed = (f"valid-spec rate {sft['valid_before']['rate']:.2f} -> {sft['valid_after']['rate']:.2f} (greedy, "
-                  f"n={sft['valid_after']['n']} train-pool questions)" if sft["valid_after"]["n"] else
+        probed = (f"valid-spec rate {sft['valid_before']['rate']:.2f} -> {sft['valid_after']['rate']:.2f} "
+                  f"(greedy, n={sft['valid_after']['n']} train-pool questions)" if sft["valid_after"]["n"] else
                   "valid-spec rate not probed (sft.probe_questions = 0; the `sft` evaluation below measures it)")
         md += ["## Training (notebook 02)", "",
-               f"SFT warm start: {sft['rows']} corpus rows; {probed}. CF-GRPO: "
-               f"{len(m)} logged steps on {cfg.train.train_questions} train-pool questions ({', '.join(cfg.train.benchmarks)}), "
+               f"SFT warm start: {sft['rows']} corpus rows; {probed}. CF-GRPO: {len(m)} logged steps on "
+               f"{cfg.train.train_questions} train-pool questions ({', '.join(cfg.train.benchmarks)}), "
                f"G={cfg.train.num_generations}, cf_lambda={cfg.train.cf_lambda}; last step reward "
                f"{last.get('reward', float('nan')):.3f}, valid rate {last.get('spec/valid_rate', float('nan')):.2f}. "
                f"Seed {cfg.train.seed}; {models}.", ""]
@@ -274,45 +288,50 @@ def write_summary(cfg, paths) -> Path:
     if not t.empty:
         md += ["## Main results (notebook 04)", "",
                f"Accuracy [95% Wilson CI] · mean worker tokens per question, on the EVAL pools ({splits}); "
-               f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}; a column header gives split and n); "
+               f"n = {cfg.eval_n or 'all'} seeded questions per benchmark (seed {cfg.seed}; a column header gives "
+               "split and n); "
                # the default capacity only matters for baselines named without `@capacity`
                + (f"baselines at capacity `{cfg.baseline_capacity}` ({cfg.n_agents} agents, SC-CoT k={cfg.sc_k}); "
                   if any(split_method(m) in ((b, None) for b in BASELINES) for m in cfg.eval_methods) else "") +
-               f"`prompted` = the untrained orchestrator ({cfg.orchestrator_capacity} worker writes the spec), `lemon` = the "
-               f"trained policy; {models}.", "", md_table(wide_table(t, cfg.eval_methods, cfg.benchmarks)), "",
-               f"Macro average over the {len(cfg.benchmarks)} benchmarks (n = questions in all; orchestrator_tokens = tokens "
-               "the orchestrator spent writing specs, not counted in `tokens`; Pareto = no other method is both cheaper and "
-               "more accurate):", "", md_table(method_summary(t)), ""]
+               f"`prompted` = the untrained orchestrator ({cfg.orchestrator_capacity} worker writes the spec), "
+               f"`lemon` = the trained policy; {models}.", "",
+               md_table(wide_table(t, cfg.eval_methods, cfg.benchmarks)), "",
+               f"Macro average over the {len(cfg.benchmarks)} benchmarks (n = questions in all; orchestrator_tokens = "
+               "tokens the orchestrator spent writing specs, not counted in `tokens`; Pareto = no other method is both "
+               "cheaper and more accurate):", "", md_table(method_summary(t)), ""]
     a = ablation_table(root, cfg.ablation_variants, cfg.ablation_benchmarks)
     if not a.empty:
         md += ["## Ablation: training variants (notebook 03, paper Table 2 shape)", "",
-               (f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start (seed {cfg.train.seed}; "
-                "`sft` = that warm start, no steps); " if set(cfg.ablation_variants) - {"sft"} else
+               (f"Each variant: {cfg.ablation_steps} CF-GRPO step(s) from the same SFT warm start "
+                f"(seed {cfg.train.seed}; `sft` = that warm start, no steps); "
+                if set(cfg.ablation_variants) - {"sft"} else
                 "`sft` = notebook 02's SFT warm start (no CF-GRPO step), ") +
                f"evaluated on n = {cfg.ablation_n} EVAL-pool questions per benchmark "
                f"({', '.join(b + ' ' + B.POOL_SPLITS['eval'][b] for b in cfg.ablation_benchmarks)}); "
                f"{models}.", "", md_table(a), ""]
     if (root / "dev" / "curves.json").exists():
         md += ["## Learning curves (notebook 03)", "",
-               f"Each training run's adapter at step 0 (the SFT warm start), every {cfg.dev_every} steps and at the end, on "
-               f"{cfg.dev_n} held-out TRAIN-pool questions per training benchmark (after the training questions in the "
-               f"seeded order: never trained on; seed {cfg.seed}); {models}.", "",
+               f"Each training run's adapter at step 0 (the SFT warm start), every {cfg.dev_every} steps and at the "
+               f"end, on {cfg.dev_n} held-out TRAIN-pool questions per training benchmark (after the training "
+               f"questions in the seeded order: never trained on; seed {cfg.seed}); {models}.", "",
                md_table(pd.DataFrame(json.loads((root / "dev" / "curves.json").read_text()))), ""]
     e = edit_table(read_rows(root / "ablations" / "edit_effects.jsonl"))
     if not e.empty:
         md += ["## Edit effects (notebook 03)", "",
-               f"Mean change when one edit is applied to a held-out spec (edited minus original; score and nominal worker "
-               f"tokens), on n = {cfg.edit_n} EVAL-pool question(s) per benchmark x {cfg.edit_specs} mutated-baseline spec(s), "
-               f"up to {cfg.edit_sites} site(s) per family (seed {cfg.seed}); {models}.", "", md_table(e), ""]
+               "Mean change when one edit is applied to a held-out spec (edited minus original; score and nominal "
+               f"worker tokens), on n = {cfg.edit_n} EVAL-pool question(s) per benchmark x {cfg.edit_specs} "
+               f"mutated-baseline spec(s), up to {cfg.edit_sites} site(s) per family (seed {cfg.seed}); {models}.", "",
+               md_table(e), ""]
     if (root / "timings.json").exists():
         tm = json.loads((root / "timings.json").read_text())
         tm = {nb: v if isinstance(v, list) else [v] for nb, v in tm.items()}
         secs = lambda x: x["s"] if isinstance(x, dict) else x  # noqa: E731  (a dict = an execution that stopped early)
         text = lambda x: f"{x['s']:.0f} ({x['stopped']})" if isinstance(x, dict) else f"{x:.0f}"  # noqa: E731
-        rows = [{"notebook": nb, "executions": " + ".join(map(text, v)), "total_s": sum(map(secs, v))} for nb, v in tm.items()]
+        rows = [{"notebook": nb, "executions": " + ".join(map(text, v)), "total_s": sum(map(secs, v))}
+                for nb, v in tm.items()]
         rows.append({"notebook": "all", "executions": "", "total_s": sum(r["total_s"] for r in rows)})
-        md += ["## Wall time (notebook executions, seconds; a resumed notebook adds an execution; a runner killed outright "
-               "records nothing)", "", md_table(pd.DataFrame(rows), "{:.0f}"), ""]
+        md += ["## Wall time (notebook executions, seconds; a resumed notebook adds an execution; a runner killed "
+               "outright records nothing)", "", md_table(pd.DataFrame(rows), "{:.0f}"), ""]
     p = root / "summary.md"
     p.write_text("\n".join(md) + "\n")
     return p

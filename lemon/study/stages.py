@@ -1,5 +1,6 @@
-"""What each notebook of the study does (01 data, 02 training, 03 ablations, 04 evaluation); the notebooks call these and
-plot. Config, folder layout and the papermill runner are in lemon.study.runner. Everything here resumes from what is on disk.
+"""What each notebook of the study does (01 data, 02 training, 03 ablations, 04 evaluation); the notebooks call these
+and plot. Config, folder layout and the papermill runner are in lemon.study.runner. Everything here resumes from what is
+on disk.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from lemon.study.runner import StudyPaths, load_samples
 
 # ---- notebook 01: data -----------------------------------------------------------------------------------------------
 def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
-    """Write the disjoint pools (ids per benchmark) and the seeded samples under data/; return the stats rows and the checks
-    (counts, id and normalized-text overlap between train and eval, samples inside the eval pools). Raises on any overlap."""
+    """Write the disjoint pools (ids per benchmark) and the seeded samples under data/; return the stats rows and the
+    checks (counts, id and normalized-text overlap between train and eval, samples inside the eval pools). Raises on any
+    overlap."""
     train, ev = B.train_pool(cfg.protocol), B.eval_pool(cfg.protocol)
     dropped = B.dropped_counts(cfg.protocol)
     stats, checks = [], {}
@@ -43,9 +45,11 @@ def prepare_data(cfg: StudyConfig, paths: StudyPaths) -> dict:
         tid, eid = {e.id for e in train[b]}, {e.id for e in ev[b]}
         ttx = {B.normalize_question(e.question) for e in train[b]}
         etx = {B.normalize_question(e.question) for e in ev[b]}
-        checks[b] = {"train": len(train[b]), "eval": len(ev[b]), "id_overlap": len(tid & eid), "text_overlap": len(ttx & etx)}
+        checks[b] = {"train": len(train[b]), "eval": len(ev[b]), "id_overlap": len(tid & eid),
+                     "text_overlap": len(ttx & etx)}
     all_t = {B.normalize_question(e.question) for x in train.values() for e in x}
-    checks["cross_benchmark_text_overlap"] = sum(B.normalize_question(e.question) in all_t for x in ev.values() for e in x)
+    checks["cross_benchmark_text_overlap"] = sum(B.normalize_question(e.question) in all_t
+                                                 for x in ev.values() for e in x)
     order = {b: [e.id for e in ev[b]] for b in cfg.benchmarks}  # a seeded order; every sample is a prefix of it
     for ids in order.values():
         random.Random(cfg.seed).shuffle(ids)
@@ -91,8 +95,8 @@ def train_main(cfg: StudyConfig, paths: StudyPaths, prompts, *, pool=None, progr
 
 # ---- notebook 03: ablations ------------------------------------------------------------------------------------------
 def edit_effects(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> list[dict]:
-    """On held-out specs (seeded mutated baselines) for the edit sample of the EVAL pools, apply each edit family at up to
-    `edit_sites` eligible sites and execute original and edited spec (node cache shared). One row per edit in
+    """On held-out specs (seeded mutated baselines) for the edit sample of the EVAL pools, apply each edit family at up
+    to `edit_sites` eligible sites and execute original and edited spec (node cache shared). One row per edit in
     ablations/edit_effects.jsonl (resumed by key); d_score / d_tokens = edited minus original."""
     samples = load_samples(cfg, paths, "edit")
     paths.edits.parent.mkdir(parents=True, exist_ok=True)
@@ -136,11 +140,13 @@ def train_variant(cfg: StudyConfig, paths: StudyPaths, name: str, prompts, pool,
         return Path(paths.require(paths.grpo / "adapter", "02_train_grpo_lora"))
     vcfg = replace(cfg.train, max_steps=cfg.ablation_steps, save_steps=min(cfg.train.save_steps, cfg.ablation_steps),
                    **VARIANTS[name])
-    return Path(train(vcfg, paths.variant(name), prompts, pool=pool, init_adapter=sft["adapter"], progress=progress)["adapter"])
+    return Path(train(vcfg, paths.variant(name), prompts, pool=pool, init_adapter=sft["adapter"],
+                      progress=progress)["adapter"])
 
 
 def run_ablation(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: bool = True) -> dict[str, Path]:
-    """Train each variant (resumes) and evaluate its adapter on the ablation sample into ablations/variants/<name>/eval."""
+    """Train each variant (resumes) and evaluate its adapter on the ablation sample into
+    ablations/variants/<name>/eval."""
     samples = load_samples(cfg, paths, "ablation")
     adapters = {}
     for name in cfg.ablation_variants:
@@ -172,8 +178,8 @@ def dev_curves(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: 
     for name, run in runs.items():
         final = json.loads(paths.require(run / "train.json", "03_ablations").read_text())["steps"]
         points = {0: Path(sft), final: run / "adapter"}
-        points.update({checkpoint_step(c): c for c in checkpoints(run / "grpo") if checkpoint_step(c) % cfg.dev_every == 0
-                       and checkpoint_step(c) < final})
+        points.update({checkpoint_step(c): c for c in checkpoints(run / "grpo")
+                       if checkpoint_step(c) % cfg.dev_every == 0 and checkpoint_step(c) < final})
         for step, adapter in sorted(points.items()):
             sums = evaluate(cfg, paths, f"{name}-dev", dev, pool, prompts, adapter=adapter, progress=progress,
                             out_of=lambda b, name=name, step=step: paths.root / "dev" / name / f"step-{step}" / b,
@@ -185,13 +191,14 @@ def dev_curves(cfg: StudyConfig, paths: StudyPaths, prompts, pool, *, progress: 
 
 # ---- evaluation (notebooks 03 and 04) --------------------------------------------------------------------------------
 def eval_pool(cfg: StudyConfig):
-    """The worker pool of notebooks 03/04: the models LEMON was trained with, its reply caps raised to what the evaluated
-    benchmarks' domains need (lemon.run.executor.domain_reply_caps; eval_caps clips each benchmark back to its own).
-    Close it when done."""
+    """The worker pool of notebooks 03/04: the models LEMON was trained with, its reply caps raised to what the
+    evaluated benchmarks' domains need (lemon.run.executor.domain_reply_caps; eval_caps clips each benchmark back to its
+    own). Close it when done."""
     domains = {B.get_benchmark(b).domain for b in (*cfg.benchmarks, *cfg.ablation_benchmarks)}
     caps = [domain_reply_caps(cfg.train.worker_max_tokens, d) for d in domains] or [dict(cfg.train.worker_max_tokens)]
-    # deterministic_workers off: it is for training's reward contrasts (one request in flight per server); evaluation keeps
-    # the servers' batching throughput (greedy replies can then differ with what else is in flight, LOG.md 2026-12-05)
+    # deterministic_workers off: it is for training's reward contrasts (one request in flight per server); evaluation
+    # keeps the servers' batching throughput (greedy replies can then differ with what else is in flight, LOG.md
+    # 2026-12-05)
     return build_pool(replace(cfg.train, worker_max_tokens={c: max(x[c] for x in caps) for c in caps[0]},
                               deterministic_workers=False))
 
@@ -210,9 +217,9 @@ def orch_config(cfg: StudyConfig) -> OrchestratorConfig:
 
 
 class LazyPolicyWriter:
-    """The trained orchestrator (base model + adapter), loaded on its first spec: a resumed eval whose rows all exist never
-    loads the model. cfg.policy_server: a llama-server writes the specs (lemon.eval.served; its name gets '@served'),
-    else transformers (PolicySpecWriter)."""
+    """The trained orchestrator (base model + adapter), loaded on its first spec: a resumed eval whose rows all exist
+    never loads the model. cfg.policy_server: a llama-server writes the specs (lemon.eval.served; its name gets
+    '@served'), else transformers (PolicySpecWriter)."""
 
     def __init__(self, cfg: StudyConfig, adapter: Path, name: str):
         self.cfg, self.adapter, self._w, self._server = cfg, Path(adapter), None, None
@@ -220,7 +227,8 @@ class LazyPolicyWriter:
 
     def propose(self, *a, **kw):
         if self._w is None:
-            orch = replace(orch_config(self.cfg), max_tokens=self.cfg.train.max_completion_length)  # its training length
+            orch = replace(orch_config(self.cfg),
+                           max_tokens=self.cfg.train.max_completion_length)  # its training length
             if self.cfg.policy_server:
                 from transformers import AutoTokenizer
                 model = self.cfg.train.policy.model
@@ -244,24 +252,28 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
              adapter: Path | None = None, out_of=None, progress: bool = True, pool_kind: str = "eval",
              writer=None, concurrency: int | None = None) -> list[dict]:
     """Run (or resume) one method on each benchmark's examples (default folder eval/<method>/<benchmark>); returns the
-    summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained policy).
+    summaries. method: a baseline, 'prompted' (a worker writes the spec) or any other name with `adapter` (a trained
+    policy).
     pool_kind: which pools the examples come from ('eval', or 'train' for best-fixed's choice), for the recorded split.
     writer: a spec writer to use instead of loading `adapter` (e.g. experiments.duel.legs.ReplayWriter: recorded specs).
-    concurrency: questions in flight (lemon.eval.runner.run_eval; the servers batch them); None = cfg.eval_concurrency."""
+    concurrency: questions in flight (lemon.eval.runner.run_eval; the servers batch them); None =
+    cfg.eval_concurrency."""
     base, cap = split_method(method)  # 'cot@large': the cot baseline at capacity large
     if base not in BASELINES and method != "prompted" and adapter is None and writer is None:
         raise ValueError(f"method {method!r} is a trained orchestrator: pass its adapter (or a spec writer)")
     if adapter is not None:
-        rel = Path(adapter).resolve().relative_to(paths.root) if paths.root in Path(adapter).resolve().parents else adapter
+        rel = (Path(adapter).resolve().relative_to(paths.root) if paths.root in Path(adapter).resolve().parents
+               else adapter)
         writer = LazyPolicyWriter(cfg, Path(adapter), name=f"lemon:{cfg.train.policy.model}:{rel}")
     out_of = out_of or (lambda b: paths.eval_dir(method, b))
     sums = []
     try:
         for b, exs in examples.items():
-            ecfg = EvalConfig(base if base in BASELINES else "orchestrator", b, B.POOL_SPLITS[pool_kind][b], seed=cfg.seed,
-                              capacity=cap or cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
+            ecfg = EvalConfig(base if base in BASELINES else "orchestrator", b, B.POOL_SPLITS[pool_kind][b],
+                              seed=cfg.seed, capacity=cap or cfg.baseline_capacity, n_agents=cfg.n_agents, k=cfg.sc_k)
             s = run_eval(ecfg, pool, prompts, out_of(b), caps=eval_caps(cfg, b), orch=orch_config(cfg), writer=writer,
-                         examples=exs, progress=progress, concurrency=cfg.eval_concurrency if concurrency is None else concurrency)
+                         examples=exs, progress=progress,
+                         concurrency=cfg.eval_concurrency if concurrency is None else concurrency)
             sums.append({**s, "method": method})
     finally:
         if writer:
@@ -270,7 +282,8 @@ def evaluate(cfg: StudyConfig, paths: StudyPaths, method: str, examples: dict[st
 
 
 def pooled(sums: list[dict]) -> dict:
-    """Per-benchmark eval summaries (lemon.eval.runner.summarize) pooled over benchmarks: n, accuracy, mean worker tokens."""
+    """Per-benchmark eval summaries (lemon.eval.runner.summarize) pooled over benchmarks: n, accuracy, mean worker
+    tokens."""
     n = sum(s["n"] for s in sums)
     return {"n": n, "accuracy": sum(s["correct"] for s in sums) / n,
             "tokens": sum(s["mean_worker_tokens"] * s["n"] for s in sums) / n}
@@ -296,8 +309,8 @@ def select_fixed(cfg: StudyConfig, paths: StudyPaths, pool, prompts, *, progress
                         progress=progress, pool_kind="train", concurrency=concurrency)
         scores.append({"method": m, **pooled(sums)})
     best = max(scores, key=lambda r: (r["accuracy"], -r["tokens"]))
-    write_json(out, {"chosen": best["method"], "candidates": scores, "dev_ids": {b: [e.id for e in v] for b, v in dev.items()},
-                     "seed": cfg.seed})
+    write_json(out, {"chosen": best["method"], "candidates": scores,
+                     "dev_ids": {b: [e.id for e in v] for b, v in dev.items()}, "seed": cfg.seed})
     return best["method"]
 
 
