@@ -66,3 +66,31 @@ def portable(obj, root: Path | None = None, home: Path | None = None):
     if isinstance(obj, (list, tuple)):
         return [portable(v, root, home) for v in obj]
     return obj
+
+
+def advantage_heatmaps(adv: dict, legend: bool = True):
+    """Heat maps of one step's (B, T) advantages: the global part, the CF part and their total (keys "global", "cf",
+    "total"), padding blank ("completion" = 0), the edited span S_i boxed in orange ("span"), forced tokens dotted
+    ("forced"); one colour scale for all three. Both walk-throughs (lemon.testbed.walkthrough on simulated workers,
+    lemon.study.walkthrough on the study's real ones) draw their step with it."""
+    from matplotlib.figure import Figure  # lazy: matplotlib only for figures
+    from matplotlib.patches import Rectangle
+    fig = Figure(figsize=(12, 6), layout="constrained")
+    vmax = max(float(adv["total"].abs().max()), float(adv["global"].abs().max()), 1e-6)
+    titles = {"global": "global part: r_i - mean_group r on every free token", "cf": "CF part: lambda * delta_i on S_i",
+              "total": "A_{i,t} = global + CF (what the loss weights)"}
+    for ax, name in zip(fig.subplots(3, 1, sharex=True), titles):
+        a = adv[name].numpy().copy()  # (B, T)
+        a[adv["completion"].numpy() == 0] = float("nan")  # padding blank, not 0
+        im = ax.imshow(a, aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest")
+        fb, ft = adv["forced"].nonzero(as_tuple=True)
+        ax.scatter(ft, fb, s=2, c="#777777", marker=".", label="forced: A = 0")
+        for b, t in zip(*adv["span"].nonzero(as_tuple=True)):
+            ax.add_patch(Rectangle((int(t) - 0.5, int(b) - 0.5), 1, 1, fill=False, edgecolor="#E69F00", linewidth=1.2))
+        ax.set(yticks=range(a.shape[0]), ylabel="rollout i")
+        ax.set_title(titles[name], fontsize=10)
+    ax.set_xlabel("completion token t")
+    fig.colorbar(im, ax=fig.axes, shrink=0.6, label="advantage")
+    if legend:
+        fig.axes[0].legend(loc="upper right", fontsize=7, markerscale=4)
+    return fig

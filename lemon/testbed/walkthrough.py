@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
 
 from lemon.eval.orchestrator import orchestrator_messages
 from lemon.policy.model import load_policy
 from lemon.policy.rollout import sample_specs
 from lemon.prompts import default_prompts
+from lemon.report import advantage_heatmaps
 from lemon.spec import parse_spec
 from lemon.testbed.credit import CreditConfig, Measure
 from lemon.testbed.experiment import ExperimentConfig, make_world, optimum_rows, run_caps, split_examples, train_config
@@ -198,25 +198,8 @@ def advantage_table(batch: Batch, adv: dict[str, torch.Tensor], cf_lambda: float
 
 
 def plot_advantages(adv: dict[str, torch.Tensor]) -> Figure:
-    """Heat maps of the (B, T) global part, CF part and total; S_i boxed in orange, forced tokens dotted."""
-    fig = Figure(figsize=(12, 6.5), layout="constrained")
-    vmax = max(float(adv["total"].abs().max()), 1e-6)
-    titles = {"global": "global part: r_i - mean_group r on every free token", "cf": "CF part: lambda * delta_i on S_i",
-              "total": "A_{i,t} = global + CF (what the loss weights)"}
-    for ax, name in zip(fig.subplots(3, 1, sharex=True), titles):
-        a = adv[name].numpy().copy()
-        a[adv["completion"].numpy() == 0] = float("nan")  # padding blank, not 0
-        im = ax.imshow(a, aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest")
-        fb, ft = adv["forced"].nonzero(as_tuple=True)
-        ax.scatter(ft, fb, s=2, c="#777777", marker=".", label="forced: A = 0")
-        for b, t in zip(*adv["span"].nonzero(as_tuple=True)):
-            ax.add_patch(Rectangle((int(t) - 0.5, int(b) - 0.5), 1, 1, fill=False, edgecolor="#E69F00", linewidth=1.2))
-        ax.set(yticks=range(a.shape[0]), ylabel="rollout i")
-        ax.set_title(titles[name], fontsize=10)
-    ax.set_xlabel("completion token t")
-    fig.colorbar(im, ax=fig.axes, shrink=0.6, label="advantage")
-    fig.axes[0].legend(loc="upper right", fontsize=7, markerscale=4)
-    return fig
+    """Heat maps of the (B, T) global part, CF part and total (lemon.report.advantage_heatmaps)."""
+    return advantage_heatmaps(adv)
 
 
 def token_logprobs(bench: Bench, batch: Batch) -> list[torch.Tensor]:
