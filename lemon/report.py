@@ -94,3 +94,17 @@ def advantage_heatmaps(adv: dict, legend: bool = True):
     if legend:
         fig.axes[0].legend(loc="upper right", fontsize=7, markerscale=4)
     return fig
+
+
+def tokens_html(tok, ids, highlight=(), forced=(), title_html: str = "") -> str:
+    """One sampled completion as HTML, one box per token (its position t on hover): `highlight` positions (the edited
+    span S_i) orange and bold, `forced` positions grey; `title_html` (already HTML) opens the caption. Both
+    walk-throughs show their edited tokens with it."""
+    import html  # lazy: only the walk-throughs draw tokens
+    hl, fc, cells = set(highlight), set(forced), []
+    for t, tid in enumerate(ids):
+        s = html.escape(tok.decode([tid])).replace("\n", "⏎<br>").replace(" ", "&nbsp;")
+        style = "background:#E69F00;font-weight:bold" if t in hl else "color:#aaaaaa" if t in fc else ""
+        cells.append(f'<span title="t={t}" style="{style};border-right:1px solid #eeeeee">{s}</span>')
+    return (f"<p>{title_html} {len(ids)} tokens, {len(fc)} forced (grey), S_i = {sorted(hl)} (orange)</p>"
+            '<div style="font-family:monospace;font-size:12px;line-height:1.7">' + "".join(cells) + "</div>")

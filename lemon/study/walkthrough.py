@@ -29,9 +29,9 @@ from lemon.policy.dtype import merged_copy
 from lemon.policy.model import load_policy
 from lemon.policy.rollout import GrammarConstraint, sample_specs
 from lemon.run.executor import ExecutorCaps, NodeCache, Trace, build_messages, execute
-from lemon.report import advantage_heatmaps
+from lemon.report import advantage_heatmaps, tokens_html as report_tokens_html
 from lemon.spec import parse_spec
-from lemon.train.cf import forced_mask, note_forced, rollout_advantages, span_mask
+from lemon.train.cf import advantage_parts, note_forced
 from lemon.train.config import TrainConfig
 from lemon.train.edits import REGISTRY, Edit, EditError, FamilySampler, apply_edit, eligible_sites, sample_edit
 from lemon.train.pipeline import sample_dtype_for, training_examples
@@ -254,14 +254,9 @@ def family_table(walk: Walk, i: int, fcs: list[FamilyCF]) -> pd.DataFrame:
 
 
 def tokens_html(tok, ids, highlight=(), forced=(), title: str = "") -> str:
-    """Sampled tokens one box each: `highlight` positions (S_i) orange and bold, `forced` positions grey."""
-    hl, fc, cells = set(highlight), set(forced), []
-    for t, tid in enumerate(ids):
-        s = html.escape(tok.decode([tid])).replace("\n", "⏎<br>").replace(" ", "&nbsp;")
-        style = "background:#E69F00;font-weight:bold" if t in hl else "color:#aaaaaa" if t in fc else ""
-        cells.append(f'<span title="t={t}" style="{style};border-right:1px solid #eeeeee">{s}</span>')
-    return (f"<p>{html.escape(title)} {len(ids)} tokens, {len(fc)} forced (grey), S_i = {sorted(hl)} (orange)</p>"
-            '<div style="font-family:monospace;font-size:12px;line-height:1.7">' + "".join(cells) + "</div>")
+    """Sampled tokens one box each: `highlight` positions (S_i) orange and bold, `forced` positions grey; `title` is
+    plain text (lemon.report.tokens_html)."""
+    return report_tokens_html(tok, ids, highlight, forced, html.escape(title))
 
 
 def advantages(walk: Walk) -> dict[str, torch.Tensor]:
@@ -271,14 +266,8 @@ def advantages(walk: Walk) -> dict[str, torch.Tensor]:
     recs, c = walk.recs, walk.cfg
     T = max(len(r.ids) for r in recs)
     cmask = torch.tensor([[1] * len(r.ids) + [0] * (T - len(r.ids)) for r in recs])  # (G, T), TRL's completion mask
-    out = {}
-    for name, lam in (("total", c.cf_lambda), ("global", 0.0)):
-        out[name], keep, _ = rollout_advantages(recs, cmask, lam=lam, scale=c.scale_rewards, std_floor=c.std_floor,
-                                                mask_forced=c.mask_forced_tokens and c.constrained,
-                                                cf_baseline=c.cf_baseline)  # (G, T)
-    forced = forced_mask(recs, cmask) if c.mask_forced_tokens and c.constrained else torch.zeros_like(cmask)  # (G, T)
-    return {**out, "cf": out["total"] - out["global"], "completion": cmask * keep[:, None].to(cmask.dtype),
-            "span": span_mask(recs, cmask), "forced": forced}
+    return advantage_parts(recs, cmask, lam=c.cf_lambda, scale=c.scale_rewards, std_floor=c.std_floor,
+                           mask_forced=c.mask_forced_tokens and c.constrained, cf_baseline=c.cf_baseline)
 
 
 def advantage_table(walk: Walk, adv: dict[str, torch.Tensor]) -> pd.DataFrame:

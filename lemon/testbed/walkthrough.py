@@ -10,7 +10,6 @@ run: a constant learning rate (TRL decays it linearly) and the questions taken i
 """
 from __future__ import annotations
 
-import html
 import random
 from dataclasses import dataclass
 
@@ -22,11 +21,11 @@ from lemon.eval.orchestrator import orchestrator_messages
 from lemon.policy.model import load_policy
 from lemon.policy.rollout import sample_specs
 from lemon.prompts import default_prompts
-from lemon.report import advantage_heatmaps
+from lemon.report import advantage_heatmaps, tokens_html as report_tokens_html
 from lemon.spec import parse_spec
 from lemon.testbed.credit import CreditConfig, Measure
 from lemon.testbed.experiment import ExperimentConfig, make_world, optimum_rows, run_caps, split_examples, train_config
-from lemon.train.cf import forced_mask, note_forced, rollout_advantages, span_mask
+from lemon.train.cf import advantage_parts, note_forced
 from lemon.train.edits import REGISTRY, sample_edit
 from lemon.train.scoring import edit_seed
 
@@ -162,15 +161,9 @@ def pick(batch: Batch) -> int:
 
 def tokens_html(bench: Bench, batch: Batch, i: int) -> str:
     """Rollout i's sampled tokens: S_i (the edited value's tokens) in orange, forced tokens in grey."""
-    r, ids = batch.recs[i], batch.samples[i].token_ids
-    span, forced = set(r.span_positions), set(r.forced_positions)
-    cells = []
-    for t, tid in enumerate(ids):
-        s = html.escape(bench.measure.tok.decode([tid])).replace("\n", "⏎<br>").replace(" ", "&nbsp;")
-        style = "background:#E69F00;font-weight:bold" if t in span else "color:#aaaaaa" if t in forced else ""
-        cells.append(f'<span title="t={t}" style="{style};border-right:1px solid #eeeeee">{s}</span>')
-    return (f"<p><b>rollout {i}</b>: {len(ids)} tokens, {len(forced)} forced (grey), S_i = {sorted(span)} (orange)</p>"
-            '<div style="font-family:monospace;font-size:12px;line-height:1.7">' + "".join(cells) + "</div>")
+    r = batch.recs[i]
+    return report_tokens_html(bench.measure.tok, batch.samples[i].token_ids, r.span_positions, r.forced_positions,
+                              f"<b>rollout {i}</b>:")
 
 
 def advantages(batch: Batch, cf_lambda: float) -> dict[str, torch.Tensor]:
@@ -178,12 +171,7 @@ def advantages(batch: Batch, cf_lambda: float) -> dict[str, torch.Tensor]:
     same call with lambda 0) and CF part (the rest), and the masks they were built from."""
     recs, T = batch.recs, max(s.n_tokens for s in batch.samples)
     cmask = torch.tensor([[1] * s.n_tokens + [0] * (T - s.n_tokens) for s in batch.samples])  # (B, T)
-    out = {}
-    for name, lam in (("total", cf_lambda), ("global", 0.0)):
-        out[name], keep, _ = rollout_advantages(recs, cmask, lam=lam, scale="none", mask_forced=True)  # (B, T)
-    span, forced = span_mask(recs, cmask), forced_mask(recs, cmask)  # (B, T)
-    return {**out, "cf": out["total"] - out["global"], "completion": cmask * keep[:, None].to(cmask.dtype),
-            "span": span, "forced": forced}
+    return advantage_parts(recs, cmask, lam=cf_lambda, scale="none", mask_forced=True)
 
 
 def advantage_table(batch: Batch, adv: dict[str, torch.Tensor], cf_lambda: float) -> pd.DataFrame:

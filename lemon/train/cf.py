@@ -29,6 +29,8 @@ The span -> token mapping lives in lemon.train.spanmap.
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
 # moved to lemon.train.spanmap (issue 11, defect 6); re-exported for callers not yet pointed there
@@ -160,11 +162,12 @@ def baselined_deltas(recs, how: str = "none") -> list[float]:
     if how == "none":
         return raw
     fam = [r.family if (r.total is not None and r.delta is not None and r.family) else None for r in recs]
-    out = []
-    for i, d in enumerate(raw):
-        mates = [raw[j] for j in range(len(recs)) if j != i and fam[i] is not None and fam[j] == fam[i]]
-        out.append(d - sum(mates) / len(mates) if mates else d)
-    return out
+    total, count = defaultdict(float), defaultdict(int)  # per family: sum and number of the step's contrasts
+    for f, d in zip(fam, raw):
+        if f is not None:
+            total[f] += d
+            count[f] += 1
+    return [d - (total[f] - d) / (count[f] - 1) if f is not None and count[f] > 1 else d for f, d in zip(fam, raw)]
 
 
 def rollout_advantages(recs, completion_mask: torch.Tensor, *, lam: float, scale: str = "none",
@@ -182,3 +185,18 @@ def rollout_advantages(recs, completion_mask: torch.Tensor, *, lam: float, scale
     if mask_forced:
         adv = adv * (1 - forced_mask(recs, completion_mask)).to(adv.dtype)  # (B, T)
     return adv, keep, s
+
+
+def advantage_parts(recs, completion_mask: torch.Tensor, *, lam: float, scale: str = "none",
+                    std_floor: float = 0.1, mask_forced: bool = True,
+                    cf_baseline: str = "none") -> dict[str, torch.Tensor]:
+    """rollout_advantages taken apart for display (the walk-throughs): "total" (what the loss weights), "global" (the
+    same call with lambda 0), "cf" (the rest), and the (B, T) masks they were built from: "completion" (errored
+    rollouts zeroed, as the trainer drops them from the loss), "span" (S_i) and "forced" (zeros unless mask_forced)."""
+    kw = dict(scale=scale, std_floor=std_floor, mask_forced=mask_forced, cf_baseline=cf_baseline)
+    total, keep, _ = rollout_advantages(recs, completion_mask, lam=lam, **kw)  # (B, T)
+    glob, _, _ = rollout_advantages(recs, completion_mask, lam=0.0, **kw)  # (B, T)
+    forced = forced_mask(recs, completion_mask) if mask_forced else torch.zeros_like(completion_mask)  # (B, T)
+    return {"total": total, "global": glob, "cf": total - glob,
+            "completion": completion_mask * keep[:, None].to(completion_mask.dtype),
+            "span": span_mask(recs, completion_mask), "forced": forced}
